@@ -1,0 +1,51 @@
+# -*- coding: utf-8 -*-
+"""Running the Triton kernels on a machine without a GPU.
+
+Triton runs kernels on the CPU only through its interpreter (``TRITON_INTERPRET=1``), which must be
+set before any kernel is defined, and its autotuner cannot benchmark there. When no GPU is present,
+importing :mod:`fla_falcon` therefore turns the interpreter on (unless ``TRITON_INTERPRET`` is set
+already, e.g. to ``0``) and makes every ``triton.autotune`` keep only its first config, fla's
+kernels included if fla is imported after us. Import ``fla_falcon`` (or call
+:func:`enable_cpu_interpreter`) before ``fla`` to run fla's modules on the CPU as well.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available() or (hasattr(torch, 'xpu') and torch.xpu.is_available())
+    except Exception:  # pragma: no cover - torch missing is reported by the imports that need it
+        return False
+
+
+def enable_cpu_interpreter(force: bool = False) -> bool:
+    """Turns on Triton's interpreter and one-config autotuning; returns whether it is on."""
+    if os.environ.get('TRITON_INTERPRET') is None:
+        if not force and _gpu_available():
+            return False
+        if any(m == 'fla' or m.startswith('fla.') for m in sys.modules):
+            warnings.warn("fla was imported before fla_falcon on a machine without a GPU: fla's kernels "
+                          "were defined without Triton's interpreter and will not run on the CPU.")
+        os.environ['TRITON_INTERPRET'] = '1'
+    if os.environ.get('TRITON_INTERPRET') != '1':
+        return False
+    import triton
+    if not getattr(triton.autotune, '_fla_falcon_one_config', False):
+        autotune = triton.autotune
+
+        def one_config_autotune(configs, key, *args, **kwargs):
+            # the interpreter has no driver to benchmark with: keep the first config only
+            return autotune(configs[:1], key, *args, **kwargs)
+
+        one_config_autotune._fla_falcon_one_config = True
+        triton.autotune = one_config_autotune
+    return True
+
+
+INTERPRET = enable_cpu_interpreter()

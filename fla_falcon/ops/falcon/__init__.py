@@ -1,0 +1,6 @@
+# -*- coding: utf-8 -*-
+
+from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
+from fla_falcon.ops.falcon.utils import RULES, FalconState
+
+__all__ = ['naive_recurrent_falcon', 'FalconState', 'RULES']
