@@ -111,7 +111,7 @@ def _falcon_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, sc
         outs.append(scale * torch.einsum('hk,hkv->hv', qh, S))
     count = min(count + T, window)
     # the new tail: the last min(pairs, window - 1) pairs, right-aligned, zeros before them
-    keep = len(pairs_x[len(pairs_x) - (window - 1):]) if window > 1 else 0
+    keep = min(len(pairs_x), window - 1)
     pad_x, pad_v = tail_x.new_zeros(H, window - 1 - keep, K), tail_v.new_zeros(HV, window - 1 - keep, v.shape[-1])
     new_tail_x = torch.cat([pad_x] + ([torch.stack(pairs_x[-keep:], 1)] if keep else []), 1)
     new_tail_v = torch.cat([pad_v] + ([torch.stack(pairs_v[-keep:], 1)] if keep else []), 1)
