@@ -393,3 +393,19 @@ def test_varlen_needs_batch_one():
     q, k, v, beta, lam_t = make_inputs('falcon1', B=2, T=4)
     with pytest.raises(ValueError, match='cu_seqlens'):
         naive_recurrent_falcon(q, k, v, beta, lam_t, cu_seqlens=torch.tensor([0, 4]))
+
+
+def test_last_k_is_the_last_key_seen_without_shift_too():
+    q, k, v, beta, lam_t = make_inputs('falcon1', T=4)
+    s = naive_recurrent_falcon(q, k, v, beta, lam_t, shift=False, output_final_state=True)[1]
+    torch.testing.assert_close(s.last_k, k[:, -1])
+    assert s.count.tolist() == [1, 1]
+
+
+def test_count_outside_the_window_is_read_clamped():
+    q, k, v, beta, lam_t = make_inputs('falcon3', T=4)
+    h0 = random_state(2, 2, 4, 5, 3, 2, count=2)
+    o = naive_recurrent_falcon(q, k, v, beta, lam_t, rule='falcon3', window=2, initial_state=h0)[0]
+    o_big = naive_recurrent_falcon(q, k, v, beta, lam_t, rule='falcon3', window=2,
+                                   initial_state=h0._replace(count=torch.full((2,), 7, dtype=torch.int32)))[0]
+    torch.testing.assert_close(o, o_big)

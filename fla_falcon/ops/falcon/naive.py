@@ -87,7 +87,7 @@ def _falcon_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, sc
     HV = v.shape[1]
     G = HV // H
     S, last_k, tail_x, tail_v, count = state
-    count = int(count)
+    count = min(max(int(count), 0), window)   # counts outside [0, W] are read clamped, as the kernels do
     # the pairs of the window, oldest first, as python lists of [H, K] / [HV, V]
     n_tail = max(count - 1, 0) if shift else min(count, window - 1)
     pairs_x = [tail_x[:, window - 1 - n_tail + i] for i in range(n_tail)]
@@ -97,9 +97,9 @@ def _falcon_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, sc
     for t in range(T):
         if shift:
             x = last_k if has_key else None   # x_1 = 0 on a fresh sequence: no pair, no decay
-            last_k, has_key = k[t], True
         else:
             x = k[t]
+        last_k, has_key = k[t], True
         if x is not None:
             pairs_x = (pairs_x + [x])[-window:]
             pairs_v = (pairs_v + [v[t]])[-window:]

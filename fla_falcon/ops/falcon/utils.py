@@ -44,7 +44,7 @@ class FalconState(NamedTuple):
       ``(x_j, v_j)`` of the windowed rules (``W = window``; empty for the other rules), oldest
       first and right-aligned: the real pairs are the last ``n_tail`` rows, the rows before them
       are zero.
-    - ``count``: ``[N]`` int32, ``min(tokens seen, W)``. ``0`` means a fresh sequence (no last
+    - ``count``: ``[N]`` int32, ``min(tokens seen, W)`` (read clamped into ``[0, W]``). ``0`` means a fresh sequence (no last
       key, empty tail); with ``shift=True`` the tail holds ``count - 1`` real pairs, with
       ``shift=False`` it holds ``min(count, W - 1)``.
 
@@ -163,6 +163,8 @@ def validate_falcon_inputs(
         cpu = cu_seqlens.detach().cpu()
         if int(cpu[0]) != 0 or int(cpu[-1]) != T or bool((cpu[1:] < cpu[:-1]).any()):
             raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cpu.tolist()}")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         if not isinstance(initial_state, FalconState):

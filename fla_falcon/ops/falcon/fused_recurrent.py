@@ -1,0 +1,800 @@
+# -*- coding: utf-8 -*-
+"""Fused recurrent Triton kernels (forward and backward) of the six Falcon rules.
+
+One forward kernel and one backward kernel cover every rule through ``tl.constexpr`` flags
+(``REGRESSION``, ``PER_COLUMN``, window size ``W``, ``SHIFT``, ``USE_LAM``, ``LAM_COUPLED``,
+``IS_VARLEN``, ``USE_INITIAL_STATE``, ``STORE_FINAL_STATE``). The grid is (V blocks, N * HV): a
+program owns a ``[K, BV]`` slice of one head's fp32 state and the full key dimension, because the
+regression residual ``S^T x`` and the key statistics need all of K.
+
+Window. The pairs of step t (local index, 0-based) sit at positions ``p = t-W+1 .. t``; pair p is
+``(k_{p-1}, v_p)`` with the shift (``(k_p, v_p)`` without), the previous segment's ``last_k`` for
+``p = 0``, and row ``W-1+p`` of the initial state's ``tail_x/tail_v`` for ``p < 0``. Pair p is real
+iff ``p >= p_min``, where ``p_min`` follows from the initial ``count`` (see ``_p_min``). The kernel
+re-reads the (at most W) pairs of each step from global memory: they are L1/L2 hits and it keeps
+a single code path for every rule. A step without a pair (the first step of a fresh sequence with
+the shift) gets ``eta = 0``, hence ``gamma = 1`` and no write: the state passes through exactly.
+
+falcon3's energy is ``lambda_max(X X^T) / B_t`` from the ``B_t x B_t`` Gram of the window (the
+missing pairs of a short window are zero rows, which leave lambda_max unchanged):
+
+- ``W <= 2``: closed form.
+- ``W = 3, 4``: scalar code (each thread holds the 10 Gram entries, no cross-thread traffic)
+  squaring the trace-normalized Gram, ``M <- M^2 / tr(M^2)`` (a power iteration whose exponent
+  doubles each time; entries stay in [0, 1]), until no entry moves by more than ``EIG_TOL = 1e-6``
+  or after ``NSQ = 16`` squarings (exponent ``2^16``). The top eigenvector u is the column of the
+  converged projector with the largest diagonal, and ``lambda_max = u^T G u`` (a Rayleigh quotient:
+  its error is quadratic in u's). Tolerance: at exit u leaks at most ~``2e-6`` (or
+  ``(l2/l1)^(2^16)``) into the other eigenvectors, so lambda_max is exact to fp32 rounding unless the
+  top two eigenvalues tie to ~1e-4 relative, where the quotient is still within
+  ``(l1 - l2) * leak^2`` of l1 (at a tie the gradient, ill-defined there, uses a vector of the top
+  eigenspace).
+- ``W > 4``: the same squaring on ``[BW, BW]`` register tensors, 16 squarings.
+
+Backward (exact, checkpointed recomputation). The backward kernel first re-runs the forward from
+the initial state and stores the state at the start of every chunk of ``C`` steps (``C`` about
+``sqrt(T)``, 8..64). Then, chunk by chunk in reverse, it recomputes the chunk's pre-update states
+``S_{t-1}`` into a per-head scratch buffer (``C`` states) and walks the chunk backwards carrying
+``dS`` in registers: every term that needs ``S_{t-1}`` (dq through ``S_t``, the decay gradient
+``<S_{t-1}, dS_t>``, the regression residual terms) reads it from the scratch. Extra memory is
+``(ceil(T/C) + C)`` states per head, i.e. O(sqrt(T)) states instead of O(T). Gradients of a pair
+``(x_j, y_j)`` (shared by up to W steps, by the V blocks and by the grouped value heads) are
+accumulated with fp32 atomics and routed to ``k``/``v``, the initial ``last_k`` or the initial tail.
+The decay clamp passes no gradient through ``alpha`` when active; with ``lam_coupled`` the factor E
+of ``lam * E`` is a statistic (gradient to ``lam`` only); ``d lambda_max / dG = u u^T``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fla_falcon.ops.falcon.utils import (
+    DEFAULT_EPS,
+    DEFAULT_EPS_GAMMA,
+    FalconState,
+    rule_info,
+    validate_falcon_inputs,
+)
+
+NSQ = 16  # at most this many Gram squarings for falcon3's lambda_max with windows > 2 (module docstring)
+EIG_TOL = tl.constexpr(1e-6)  # windows 3-4: stop squaring once no normalized entry moves by more
+
+
+# ----------------------------------------------------------------------------------------------
+# shared device helpers
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _p_min(c0, W: tl.constexpr, SHIFT: tl.constexpr):
+    """First real pair position of a segment whose initial state has count ``c0``."""
+    if SHIFT:
+        # count tokens seen: last_k is pair 0 and the tail holds count-1 older pairs
+        return tl.where(c0 > 0, 1 - c0, 1)
+    else:
+        return -tl.minimum(c0, W - 1)
+
+
+@triton.jit
+def _pair_ptrs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, row_mask,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Pointers and masks of the window rows of step t (row b is pair ``p = t-W+1+b``).
+
+    Returns (pointers, masks) of the x rows in k / last_k / tail_x and of the y rows in v / tail_v,
+    and the row mask of the real pairs. Exactly one source mask is on for a real row.
+    """
+    p = t - (W - 1) + o_w
+    m = row_mask & (o_w < W) & (p >= p_min)
+    mk = o_k < K
+    mv = o_v < V
+    if SHIFT:
+        src = p - 1
+        m_k = m & (p >= 1)
+    else:
+        src = p
+        m_k = m & (p >= 0)
+    px_k = k + ((bos + src) * H + i_h)[:, None] * K + o_k[None, :]
+    py_v = v + ((bos + p) * HV + i_hv)[:, None] * V + o_v[None, :]
+    m_xk = m_k[:, None] & mk[None, :]
+    m_yv = (m & (p >= 0))[:, None] & mv[None, :]
+    # last_k (pair 0 with the shift) and tail rows (p < 0) exist only with an initial state
+    px_l, m_xl, px_t, m_xt, py_t, m_yt = px_k, m_xk & False, px_k, m_xk & False, py_v, m_yv & False
+    if USE_INITIAL_STATE:
+        row = W - 1 + p
+        if SHIFT:
+            px_l = lk0 + (i_n * H + i_h) * K + o_k[None, :] + 0 * o_w[:, None]
+            m_xl = (m & (p == 0))[:, None] & mk[None, :]
+        if W > 1:
+            px_t = tx0 + ((i_n * H + i_h) * (W - 1) + row)[:, None] * K + o_k[None, :]
+            m_xt = (m & (p < 0))[:, None] & mk[None, :]
+            py_t = tv0 + ((i_n * HV + i_hv) * (W - 1) + row)[:, None] * V + o_v[None, :]
+            m_yt = (m & (p < 0))[:, None] & mv[None, :]
+    return px_k, m_xk, px_l, m_xl, px_t, m_xt, py_v, m_yv, py_t, m_yt, m
+
+
+@triton.jit
+def _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, row_mask,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """X ``[BW, BK]`` and Y ``[BW, BV]`` of step t in fp32 (zero rows for missing pairs), row mask."""
+    px_k, m_xk, px_l, m_xl, px_t, m_xt, py_v, m_yv, py_t, m_yt, m = _pair_ptrs(
+        k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, row_mask,
+        H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+    X = tl.load(px_k, mask=m_xk, other=0).to(tl.float32)
+    Y = tl.load(py_v, mask=m_yv, other=0).to(tl.float32)
+    if USE_INITIAL_STATE:
+        if SHIFT:
+            X += tl.load(px_l, mask=m_xl, other=0).to(tl.float32)
+        if W > 1:
+            X += tl.load(px_t, mask=m_xt, other=0).to(tl.float32)
+            Y += tl.load(py_t, mask=m_yt, other=0).to(tl.float32)
+    return X, Y, m
+
+
+@triton.jit
+def _add_pair_grads(dk, dv, dlk0, dtx0, dtv0, dX, dY, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                    row_mask, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    W: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                    ADD_X: tl.constexpr, ADD_Y: tl.constexpr):
+    """Accumulates the gradients of the window rows of step t where their pairs came from (atomics:
+    a pair is shared by W steps, the V blocks and the grouped value heads)."""
+    px_k, m_xk, px_l, m_xl, px_t, m_xt, py_v, m_yv, py_t, m_yt, m = _pair_ptrs(
+        dk, dv, dlk0, dtx0, dtv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, row_mask,
+        H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+    if ADD_X:
+        tl.atomic_add(px_k, dX, mask=m_xk)
+        if USE_INITIAL_STATE:
+            if SHIFT:
+                tl.atomic_add(px_l, dX, mask=m_xl)
+            if W > 1:
+                tl.atomic_add(px_t, dX, mask=m_xt)
+    if ADD_Y:
+        tl.atomic_add(py_v, dY, mask=m_yv)
+        if USE_INITIAL_STATE:
+            if W > 1:
+                tl.atomic_add(py_t, dY, mask=m_yt)
+
+
+@triton.jit
+def _row(X, o_w, i: tl.constexpr):
+    return tl.sum(tl.where(o_w[:, None] == i, X, 0.), 0)
+
+
+@triton.jit
+def _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33):
+    """(A^2) / tr(A^2) of a symmetric 4x4 matrix given by its upper triangle (scalars)."""
+    b00 = a00 * a00 + a01 * a01 + a02 * a02 + a03 * a03
+    b01 = a00 * a01 + a01 * a11 + a02 * a12 + a03 * a13
+    b02 = a00 * a02 + a01 * a12 + a02 * a22 + a03 * a23
+    b03 = a00 * a03 + a01 * a13 + a02 * a23 + a03 * a33
+    b11 = a01 * a01 + a11 * a11 + a12 * a12 + a13 * a13
+    b12 = a01 * a02 + a11 * a12 + a12 * a22 + a13 * a23
+    b13 = a01 * a03 + a11 * a13 + a12 * a23 + a13 * a33
+    b22 = a02 * a02 + a12 * a12 + a22 * a22 + a23 * a23
+    b23 = a02 * a03 + a12 * a13 + a22 * a23 + a23 * a33
+    b33 = a03 * a03 + a13 * a13 + a23 * a23 + a33 * a33
+    tr = b00 + b11 + b22 + b33
+    inv = 1.0 / tl.where(tr > 0, tr, 1.0)
+    return b00 * inv, b01 * inv, b02 * inv, b03 * inv, b11 * inv, b12 * inv, b13 * inv, b22 * inv, b23 * inv, b33 * inv
+
+
+@triton.jit
+def _top_eig(X, o_w, W: tl.constexpr, NSQ: tl.constexpr):
+    """lambda_max and unit top eigenvector ``u [BW]`` of the window Gram ``X X^T`` (rows of X are the
+    pairs' x; missing pairs are zero rows)."""
+    if W == 2:
+        x0 = _row(X, o_w, 0)
+        x1 = _row(X, o_w, 1)
+        a = tl.sum(x0 * x0, 0)
+        b = tl.sum(x0 * x1, 0)
+        c = tl.sum(x1 * x1, 0)
+        lmax = 0.5 * (a + c) + tl.sqrt(0.25 * (a - c) * (a - c) + b * b)
+        # two candidate eigenvectors (l-c, b) and (b, l-a): the longer one is well conditioned
+        n1 = (lmax - c) * (lmax - c) + b * b
+        n2 = b * b + (lmax - a) * (lmax - a)
+        use1 = n1 >= n2
+        u0 = tl.where(use1, lmax - c, b)
+        u1 = tl.where(use1, b, lmax - a)
+        nn = tl.where(use1, n1, n2)
+        inv = 1.0 / tl.sqrt(tl.where(nn > 0, nn, 1.0))
+        u0 = tl.where(nn > 0, u0 * inv, 1.0)
+        u1 = tl.where(nn > 0, u1 * inv, 0.0)
+        u = tl.where(o_w == 0, u0, tl.where(o_w == 1, u1, 0.0))
+    elif W <= 4:
+        # scalar code (every thread holds the whole 4x4 Gram: no cross-thread traffic), with an early
+        # exit once the normalized power has converged
+        x0 = _row(X, o_w, 0)
+        x1 = _row(X, o_w, 1)
+        x2 = _row(X, o_w, 2)
+        x3 = _row(X, o_w, 3)
+        g00 = tl.sum(x0 * x0, 0)
+        g01 = tl.sum(x0 * x1, 0)
+        g02 = tl.sum(x0 * x2, 0)
+        g03 = tl.sum(x0 * x3, 0)
+        g11 = tl.sum(x1 * x1, 0)
+        g12 = tl.sum(x1 * x2, 0)
+        g13 = tl.sum(x1 * x3, 0)
+        g22 = tl.sum(x2 * x2, 0)
+        g23 = tl.sum(x2 * x3, 0)
+        g33 = tl.sum(x3 * x3, 0)
+        tr = g00 + g11 + g22 + g33
+        inv = 1.0 / tl.where(tr > 0, tr, 1.0)
+        a00, a01, a02, a03, a11 = g00 * inv, g01 * inv, g02 * inv, g03 * inv, g11 * inv
+        a12, a13, a22, a23, a33 = g12 * inv, g13 * inv, g22 * inv, g23 * inv, g33 * inv
+        delta = tr * 0 + 1.0
+        it = 0
+        while (delta > EIG_TOL) & (it < NSQ):
+            b00, b01, b02, b03, b11, b12, b13, b22, b23, b33 = _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33)
+            delta = tl.maximum(tl.maximum(tl.maximum(tl.abs(b00 - a00), tl.abs(b11 - a11)),
+                                          tl.maximum(tl.abs(b22 - a22), tl.abs(b33 - a33))),
+                               tl.maximum(tl.maximum(tl.abs(b01 - a01), tl.abs(b02 - a02)),
+                                          tl.maximum(tl.abs(b03 - a03), tl.abs(b12 - a12))))
+            delta = tl.maximum(delta, tl.maximum(tl.abs(b13 - a13), tl.abs(b23 - a23)))
+            a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = b00, b01, b02, b03, b11, b12, b13, b22, b23, b33
+            it += 1
+        # the column of the converged projector with the largest diagonal is the top eigenvector
+        u0, u1, u2, u3, best = a00, a01, a02, a03, a00
+        pick = a11 > best
+        u0, u1, u2, u3, best = (tl.where(pick, a01, u0), tl.where(pick, a11, u1), tl.where(pick, a12, u2),
+                                tl.where(pick, a13, u3), tl.where(pick, a11, best))
+        pick = a22 > best
+        u0, u1, u2, u3, best = (tl.where(pick, a02, u0), tl.where(pick, a12, u1), tl.where(pick, a22, u2),
+                                tl.where(pick, a23, u3), tl.where(pick, a22, best))
+        pick = a33 > best
+        u0, u1, u2, u3 = (tl.where(pick, a03, u0), tl.where(pick, a13, u1), tl.where(pick, a23, u2),
+                          tl.where(pick, a33, u3))
+        nn = u0 * u0 + u1 * u1 + u2 * u2 + u3 * u3
+        inv = 1.0 / tl.sqrt(tl.where(nn > 0, nn, 1.0))
+        u0 = tl.where(nn > 0, u0 * inv, 1.0)
+        u1, u2, u3 = u1 * inv, u2 * inv, u3 * inv
+        # Rayleigh quotient with the unnormalized Gram
+        lmax = (u0 * (g00 * u0 + g01 * u1 + g02 * u2 + g03 * u3) + u1 * (g01 * u0 + g11 * u1 + g12 * u2 + g13 * u3)
+                + u2 * (g02 * u0 + g12 * u1 + g22 * u2 + g23 * u3) + u3 * (g03 * u0 + g13 * u1 + g23 * u2 + g33 * u3))
+        u = tl.where(o_w == 0, u0, tl.where(o_w == 1, u1, tl.where(o_w == 2, u2, tl.where(o_w == 3, u3, 0.0))))
+    else:
+        G = tl.sum(X[:, None, :] * X[None, :, :], 2)
+        ii = o_w[:, None]
+        jj = o_w[None, :]
+        eye = ii == jj
+        tr = tl.sum(tl.sum(tl.where(eye, G, 0.), 1), 0)
+        M = G / tl.where(tr > 0, tr, 1.0)
+        for _ in tl.static_range(NSQ):
+            # M <- M^2 / tr(M^2): a power iteration with exponent 2^NSQ; tr(M^2) >= 1/BW for a
+            # normalized PSD M, so nothing under- or overflows
+            M = tl.sum(M[:, :, None] * M[None, :, :], 1)
+            tr2 = tl.sum(tl.sum(tl.where(eye, M, 0.), 1), 0)
+            M = M / tl.where(tr2 > 0, tr2, 1.0)
+        d = tl.sum(tl.where(eye, M, 0.), 1)
+        jm = tl.argmax(d, 0)
+        col = tl.sum(tl.where(jj == jm, M, 0.), 1)
+        nrm = tl.sqrt(tl.sum(col * col, 0))
+        u = tl.where(nrm > 0, col / tl.where(nrm > 0, nrm, 1.0), tl.where(o_w == 0, 1.0, 0.0))
+        lmax = tl.sum(u * tl.sum(G * u[None, :], 1), 0)
+    return lmax, u
+
+
+@triton.jit
+def _coeffs(X, m, b_beta, b_lam, eps, eps_gamma, o_w, W: tl.constexpr, REGRESSION: tl.constexpr,
+            USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, NSQ: tl.constexpr):
+    """The step's statistics and gates. ``b_beta`` is a scalar or ``[BV]`` (per-column rules)."""
+    nb = tl.sum(m.to(tl.float32), 0)
+    nb_s = tl.maximum(nb, 1.0)
+    u = tl.zeros_like(o_w).to(tl.float32)
+    if W == 1:
+        E = tl.sum(tl.sum(X * X, 1), 0)
+    elif REGRESSION:
+        lmax, u = _top_eig(X, o_w, W, NSQ)
+        E = lmax / nb_s
+    else:
+        E = tl.sum(tl.sum(X * X, 1), 0) / nb_s
+    if USE_LAM:
+        if LAM_COUPLED:
+            lam_eff = b_lam * E
+        else:
+            lam_eff = b_lam
+    else:
+        lam_eff = 0.0 * E
+    den = E + lam_eff + eps
+    ok = (den > 0) & (nb > 0)
+    den_s = tl.where(ok, den, 1.0)
+    eta = tl.where(ok, b_beta / den_s, 0.0)
+    alpha = eta * lam_eff
+    free = alpha <= 1 - eps_gamma          # the clamp is inactive: gradient flows through alpha
+    gamma = 1 - tl.where(free, alpha, 1 - eps_gamma)
+    c = eta / nb_s
+    return nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c
+
+
+@triton.jit
+def _step(S, X, Y, gamma, c, o_w, W: tl.constexpr, REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr):
+    """S_t = gamma S_{t-1} + X^T (R * c) with R the residual at S_{t-1} (or Y). Returns S_t, R*c, R.
+
+    Row by row (one [K, BV] pass per pair, like a delta-rule step) rather than through [W, K, BV]
+    temporaries: it keeps the register footprint, hence the occupancy of a decode step, low."""
+    R = Y
+    if REGRESSION:
+        for b in tl.static_range(W):
+            x_b = _row(X, o_w, b)
+            z_b = tl.sum(S * x_b[:, None], 0)                   # all residuals at the pre-update S
+            R = R - tl.where(o_w[:, None] == b, z_b[None, :], 0.)
+    if PER_COLUMN:
+        Wc = R * c[None, :]
+        S = S * gamma[None, :]
+    else:
+        Wc = R * c
+        S = S * gamma
+    for b in tl.static_range(W):
+        S += _row(X, o_w, b)[:, None] * _row(Wc, o_w, b)[None, :]
+    return S, Wc, R
+
+
+@triton.jit
+def _load_gates(beta, lam, bos, t, i_hv, o_v, HV: tl.constexpr, V: tl.constexpr,
+                PER_COLUMN: tl.constexpr, USE_LAM: tl.constexpr):
+    if PER_COLUMN:
+        b_beta = tl.load(beta + ((bos + t) * HV + i_hv) * V + o_v, mask=o_v < V, other=0).to(tl.float32)
+    else:
+        b_beta = tl.load(beta + (bos + t) * HV + i_hv).to(tl.float32)
+    if USE_LAM:
+        b_lam = tl.load(lam + (bos + t) * HV + i_hv).to(tl.float32)
+    else:
+        b_lam = 0.0
+    return b_beta, b_lam
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=['T'])
+def falcon_fused_recurrent_fwd_kernel(
+    q, k, v, beta, lam, o,
+    S0, lk0, tx0, tv0, c0,
+    St, lkt, txt, tvt, ct,
+    cu_seqlens, scale, eps, eps_gamma, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, SHIFT: tl.constexpr,
+    USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, NSQ: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = eos - bos
+    else:
+        bos = i_n * T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_w = tl.arange(0, BW)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    all_rows = o_w >= 0
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    c_init = 0
+    if USE_INITIAL_STATE:
+        b_S += tl.load(S0 + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=mask_h, other=0).to(tl.float32)
+        c_init = tl.minimum(tl.maximum(tl.load(c0 + i_n).to(tl.int32), 0), W)  # read clamped into [0, W]
+    p_min = _p_min(c_init, W, SHIFT)
+
+    for t in range(0, T):
+        X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, all_rows,
+                              H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+        b_beta, b_lam = _load_gates(beta, lam, bos, t, i_hv, o_v, HV, V, PER_COLUMN, USE_LAM)
+        nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
+            X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ)
+        b_S, Wc, R = _step(b_S, X, Y, gamma, c, o_w, W, REGRESSION, PER_COLUMN)
+        b_q = tl.load(q + ((bos + t) * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_o = tl.sum(b_S * b_q[:, None], 0) * scale
+        tl.store(o + ((bos + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+
+    if STORE_FINAL_STATE:
+        tl.store(St + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_S.to(St.dtype.element_ty), mask=mask_h)
+        # the tail = the pairs of a virtual step T without its newest row (row W-1)
+        if W > 1:
+            X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, T, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                                  o_w < W - 1, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+            m_r = o_w < W - 1
+            tl.store(tvt + ((i_n * HV + i_hv) * (W - 1) + o_w)[:, None] * V + o_v[None, :],
+                     Y.to(tvt.dtype.element_ty), mask=m_r[:, None] & mask_v[None, :])
+            if (i_v == 0) & (i_hv % (HV // H) == 0):
+                tl.store(txt + ((i_n * H + i_h) * (W - 1) + o_w)[:, None] * K + o_k[None, :],
+                         X.to(txt.dtype.element_ty), mask=m_r[:, None] & mask_k[None, :])
+        if (i_v == 0) & (i_hv % (HV // H) == 0):
+            # last key seen (the shift's next x), the initial one for an empty segment
+            b_lk = tl.zeros([BK], dtype=tl.float32)
+            T_k = tl.zeros_like(o_k) + T    # T as a tensor (a plain int under the interpreter)
+            b_lk += tl.load(k + ((bos + T - 1) * H + i_h) * K + o_k, mask=mask_k & (T_k > 0), other=0).to(tl.float32)
+            if USE_INITIAL_STATE:
+                b_lk += tl.load(lk0 + (i_n * H + i_h) * K + o_k, mask=mask_k & (T_k == 0), other=0).to(tl.float32)
+            tl.store(lkt + (i_n * H + i_h) * K + o_k, b_lk.to(lkt.dtype.element_ty), mask=mask_k)
+            if i_hv == 0:
+                tl.store(ct + i_n, tl.minimum(tl.zeros([], dtype=tl.int32) + c_init + T, W).to(tl.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=['T'])
+def falcon_fused_recurrent_bwd_kernel(
+    q, k, v, beta, lam, do,
+    dSt, dlkt, dtxt, dtvt,
+    S0, lk0, tx0, tv0, c0,
+    cu_seqlens, chunk_offsets, ckpt, scratch,
+    dq, dk, dv, dbeta, dlam, dS0, dlk0, dtx0, dtv0,
+    scale, eps, eps_gamma, T, CH,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, SHIFT: tl.constexpr,
+    USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, NSQ: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = eos - bos
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boc = i_n * tl.cdiv(T, CH)
+    NC = tl.cdiv(T, CH)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_w = tl.arange(0, BW)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_k[:, None] & mask_v[None, :]
+    all_rows = o_w >= 0
+    key_rank = i_v + i_hv % (HV // H)   # 0 for the one program that routes per-key-head gradients
+    key_owner = key_rank == 0
+    p_hk = o_k[:, None] * V + o_v[None, :]
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    c_init = 0
+    if USE_INITIAL_STATE:
+        b_S += tl.load(S0 + i_nh * K * V + p_hk, mask=mask_h, other=0).to(tl.float32)
+        c_init = tl.minimum(tl.maximum(tl.load(c0 + i_n).to(tl.int32), 0), W)  # read clamped into [0, W]
+    p_min = _p_min(c_init, W, SHIFT)
+
+    # 1) checkpoints: the state before each chunk of CH steps
+    for ci in range(0, NC):
+        tl.store(ckpt + ((boc + ci) * HV + i_hv) * K * V + p_hk, b_S, mask=mask_h)
+        for j in range(0, CH):
+            t = ci * CH + j
+            if t < T:
+                X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                                      all_rows, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+                b_beta, b_lam = _load_gates(beta, lam, bos, t, i_hv, o_v, HV, V, PER_COLUMN, USE_LAM)
+                nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
+                    X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ)
+                b_S, Wc, R = _step(b_S, X, Y, gamma, c, o_w, W, REGRESSION, PER_COLUMN)
+
+    # the checkpoints are read back below, possibly by other threads of this program
+    tl.debug_barrier()
+
+    # 2) the gradient of the final state
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dS += tl.load(dSt + i_nh * K * V + p_hk, mask=mask_h, other=0).to(tl.float32)
+        if W > 1:
+            m_r = o_w < W - 1
+            m_xo = mask_k & (tl.zeros_like(o_k) + key_rank == 0)
+            dX = tl.load(dtxt + ((i_n * H + i_h) * (W - 1) + o_w)[:, None] * K + o_k[None, :],
+                         mask=m_r[:, None] & m_xo[None, :], other=0).to(tl.float32)
+            dY = tl.load(dtvt + ((i_n * HV + i_hv) * (W - 1) + o_w)[:, None] * V + o_v[None, :],
+                         mask=m_r[:, None] & mask_v[None, :], other=0).to(tl.float32)
+            _add_pair_grads(dk, dv, dlk0, dtx0, dtv0, dX, dY, bos, T, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                            m_r, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE, True, True)
+        if key_owner:
+            b_dlk = tl.load(dlkt + (i_n * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+            T_k = tl.zeros_like(o_k) + T
+            tl.atomic_add(dk + ((bos + T - 1) * H + i_h) * K + o_k, b_dlk, mask=mask_k & (T_k > 0))
+            if USE_INITIAL_STATE:
+                tl.atomic_add(dlk0 + (i_n * H + i_h) * K + o_k, b_dlk, mask=mask_k & (T_k == 0))
+
+    # 3) chunks in reverse: recompute S_{t-1} of the chunk into the scratch, then walk back
+    p_scr = scratch + i_nh * CH * K * V + p_hk
+    for ii in range(0, NC):
+        ci = NC - 1 - ii
+        b_S = tl.load(ckpt + ((boc + ci) * HV + i_hv) * K * V + p_hk, mask=mask_h, other=0)
+        for j in range(0, CH):
+            t = ci * CH + j
+            if t < T:
+                tl.store(p_scr + j * K * V, b_S, mask=mask_h)
+                X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                                      all_rows, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+                b_beta, b_lam = _load_gates(beta, lam, bos, t, i_hv, o_v, HV, V, PER_COLUMN, USE_LAM)
+                nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
+                    X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ)
+                b_S, Wc, R = _step(b_S, X, Y, gamma, c, o_w, W, REGRESSION, PER_COLUMN)
+        # the scratch is read back below by other threads of this program
+        tl.debug_barrier()
+        for jj in range(0, CH):
+            j = CH - 1 - jj
+            t = ci * CH + j
+            if t < T:
+                b_Sp = tl.load(p_scr + j * K * V, mask=mask_h, other=0)
+                X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                                      all_rows, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+                b_beta, b_lam = _load_gates(beta, lam, bos, t, i_hv, o_v, HV, V, PER_COLUMN, USE_LAM)
+                nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
+                    X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ)
+                b_St, Wc, R = _step(b_Sp, X, Y, gamma, c, o_w, W, REGRESSION, PER_COLUMN)
+                # read-out o_t = scale S_t^T q_t
+                b_q = tl.load(q + ((bos + t) * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+                b_do = tl.load(do + ((bos + t) * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+                b_dS += (scale * b_q)[:, None] * b_do[None, :]
+                tl.atomic_add(dq + ((bos + t) * H + i_h) * K + o_k, scale * tl.sum(b_St * b_do[None, :], 1),
+                              mask=mask_k)
+                # S_t = gamma S_{t-1} + X^T Wc,  Wc = R * c,  R = Y - X S_{t-1} (regression)
+                dWc = tl.sum(X[:, :, None] * b_dS[None, :, :], 1)           # [BW, BV]
+                dX = tl.sum(Wc[:, None, :] * b_dS[None, :, :], 2)           # [BW, BK]
+                dgam = tl.sum(b_Sp * b_dS, 0)                               # [BV]
+                dc = tl.sum(R * dWc, 0)                                     # [BV]
+                if PER_COLUMN:
+                    dR = dWc * c[None, :]
+                    b_dS = b_dS * gamma[None, :]
+                else:
+                    dR = dWc * c
+                    b_dS = b_dS * gamma
+                    dgam = tl.sum(dgam, 0)
+                    dc = tl.sum(dc, 0)
+                if REGRESSION:
+                    dX -= tl.sum(dR[:, None, :] * b_Sp[None, :, :], 2)
+                    b_dS -= tl.sum(X[:, :, None] * dR[:, None, :], 0)
+                # the gates: c = eta / B_t, alpha = eta * lam_eff (unless clamped), eta = beta / den
+                deta = dc / nb_s
+                dalpha = tl.where(free, -dgam, 0.0)
+                deta += dalpha * lam_eff
+                dlam_eff = dalpha * eta
+                dbeta_ = tl.where(ok, deta / den_s, 0.0)
+                dden = -dbeta_ * eta
+                if PER_COLUMN:
+                    dlam_eff = tl.sum(dlam_eff, 0)
+                    dden = tl.sum(dden, 0)
+                    tl.store(dbeta + ((bos + t) * HV + i_hv) * V + o_v, dbeta_, mask=mask_v)
+                else:
+                    tl.atomic_add(dbeta + (bos + t) * HV + i_hv, dbeta_)
+                dlam_eff += dden
+                dE = dden
+                if USE_LAM:
+                    if LAM_COUPLED:
+                        tl.atomic_add(dlam + (bos + t) * HV + i_hv, dlam_eff * E)
+                    else:
+                        tl.atomic_add(dlam + (bos + t) * HV + i_hv, dlam_eff)
+                # the energy: ||x||^2, the window mean, or lambda_max / B_t (dlambda/dG = u u^T)
+                if (W > 1) & REGRESSION:
+                    uX = tl.sum(u[:, None] * X, 0)                          # [BK]
+                    dX += (2 * dE / nb_s) * u[:, None] * uX[None, :]
+                else:
+                    dX += (2 * dE / nb_s) * X
+                _add_pair_grads(dk, dv, dlk0, dtx0, dtv0, dX, dR, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
+                                all_rows, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE, True, True)
+        tl.debug_barrier()
+
+    if USE_INITIAL_STATE:
+        tl.store(dS0 + i_nh * K * V + p_hk, b_dS.to(dS0.dtype.element_ty), mask=mask_h)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+def _interpret() -> bool:
+    return os.environ.get('TRITON_INTERPRET') == '1'
+
+
+def _parse_config(name: str):
+    val = os.environ.get(name)
+    return tuple(int(x) for x in val.split(',')) if val else None
+
+
+# (BV, num_warps) overrides for tuning on a GPU: env FLA_FALCON_FWD_CONFIG / FLA_FALCON_BWD_CONFIG="16,2"
+FWD_CONFIG = _parse_config('FLA_FALCON_FWD_CONFIG')
+BWD_CONFIG = _parse_config('FLA_FALCON_BWD_CONFIG')
+
+
+def _fwd_config(K: int, V: int, W: int) -> tuple[int, int]:
+    """(BV, num_warps) of the forward. Small V blocks as in fla (N*HV*V/8 programs keep a decode step
+    memory-bound); one warp while the window's [W, K, BV] temporaries fit its registers."""
+    if FWD_CONFIG is not None:
+        return FWD_CONFIG
+    if _interpret():
+        return triton.next_power_of_2(V), 1      # fewer programs: the interpreter runs them one by one
+    BV = min(8, triton.next_power_of_2(V))
+    work = triton.next_power_of_2(K) * BV * triton.next_power_of_2(W)
+    return BV, (1 if work <= 4096 else 2 if work <= 8192 else 4)
+
+
+def _bwd_config(K: int, V: int, W: int) -> tuple[int, int]:
+    if BWD_CONFIG is not None:
+        return BWD_CONFIG
+    if _interpret():
+        return triton.next_power_of_2(V), 4
+    BV = min(16, triton.next_power_of_2(V))
+    work = triton.next_power_of_2(K) * BV * triton.next_power_of_2(W)
+    return BV, (4 if work <= 8192 else 8)
+
+
+def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, window, lam_coupled, shift,
+                               S0, lk0, tx0, tv0, c0, output_final_state, cu_seqlens):
+    regression, per_column, _ = rule_info(rule)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    W = window
+    BK, BW = triton.next_power_of_2(K), triton.next_power_of_2(W)
+    BV, num_warps = _fwd_config(K, V, W)
+    o = torch.empty_like(v)
+    if output_final_state:
+        St = q.new_empty(N, HV, K, V, dtype=torch.float32)
+        lkt = q.new_empty(N, H, K, dtype=torch.float32)
+        txt = q.new_empty(N, H, W - 1, K, dtype=torch.float32)
+        tvt = q.new_empty(N, HV, W - 1, V, dtype=torch.float32)
+        ct = q.new_empty(N, dtype=torch.int32)
+    else:
+        St = lkt = txt = tvt = ct = None
+    grid = (triton.cdiv(V, BV), N * HV)
+    falcon_fused_recurrent_fwd_kernel[grid](
+        q, k, v, beta, lam, o, S0, lk0, tx0, tv0, c0, St, lkt, txt, tvt, ct,
+        cu_seqlens, scale, eps, eps_gamma, T,
+        H=H, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW,
+        REGRESSION=regression, PER_COLUMN=per_column, SHIFT=shift,
+        USE_LAM=lam is not None, LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=S0 is not None,
+        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ,
+        num_warps=num_warps, num_stages=1,
+    )
+    return o, (St, lkt, txt, tvt, ct)
+
+
+def falcon_fused_recurrent_bwd(q, k, v, beta, lam, do, dSt, dlkt, dtxt, dtvt, scale, eps, eps_gamma,
+                               rule, window, lam_coupled, shift, S0, lk0, tx0, tv0, c0, cu_seqlens):
+    regression, per_column, _ = rule_info(rule)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    W = window
+    BK, BW = triton.next_power_of_2(K), triton.next_power_of_2(W)
+    BV, num_warps = _bwd_config(K, V, W)
+    if cu_seqlens is None:
+        N, max_len = B, T
+    else:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        N, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0
+    # chunk of C ~ sqrt(T) steps: (T/C + C) states of memory per head instead of T
+    CH = int(min(64, max(8, triton.next_power_of_2(max(1, math.isqrt(max(max_len, 1)))))))
+    if cu_seqlens is None:
+        chunk_offsets, n_chunks = None, N * triton.cdiv(T, CH)
+    else:
+        nc = (lens + CH - 1) // CH
+        chunk_offsets = torch.cat([nc.new_zeros(1), nc.cumsum(0)])
+        n_chunks = int(chunk_offsets[-1])
+    dev = q.device
+    ckpt = torch.empty(max(n_chunks, 1), HV, K, V, device=dev, dtype=torch.float32)
+    scratch = torch.empty(N * HV, CH, K, V, device=dev, dtype=torch.float32)
+    dq = torch.zeros(B, T, H, K, device=dev, dtype=torch.float32)
+    dk = torch.zeros_like(dq)
+    dv = torch.zeros(B, T, HV, V, device=dev, dtype=torch.float32)
+    dbeta = torch.zeros(beta.shape, device=dev, dtype=torch.float32)
+    dlam = torch.zeros(lam.shape, device=dev, dtype=torch.float32) if lam is not None else None
+    use_h0 = S0 is not None
+    dS0 = torch.empty(S0.shape, device=dev, dtype=torch.float32) if use_h0 else None
+    dlk0 = torch.zeros(lk0.shape, device=dev, dtype=torch.float32) if use_h0 else None
+    dtx0 = torch.zeros(tx0.shape, device=dev, dtype=torch.float32) if use_h0 else None
+    dtv0 = torch.zeros(tv0.shape, device=dev, dtype=torch.float32) if use_h0 else None
+    use_dht = any(t is not None for t in (dSt, dlkt, dtxt, dtvt))
+    if use_dht:
+        # autograd may leave some final-state gradients undefined
+        dSt = dSt if dSt is not None else torch.zeros(N, HV, K, V, device=dev)
+        dlkt = dlkt if dlkt is not None else torch.zeros(N, H, K, device=dev)
+        dtxt = dtxt if dtxt is not None else torch.zeros(N, H, W - 1, K, device=dev)
+        dtvt = dtvt if dtvt is not None else torch.zeros(N, HV, W - 1, V, device=dev)
+    grid = (triton.cdiv(V, BV), N * HV)
+    falcon_fused_recurrent_bwd_kernel[grid](
+        q, k, v, beta, lam, do, dSt, dlkt, dtxt, dtvt, S0, lk0, tx0, tv0, c0,
+        cu_seqlens, chunk_offsets, ckpt, scratch,
+        dq, dk, dv, dbeta, dlam, dS0, dlk0, dtx0, dtv0,
+        scale, eps, eps_gamma, T, CH,
+        H=H, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW,
+        REGRESSION=regression, PER_COLUMN=per_column, SHIFT=shift,
+        USE_LAM=lam is not None, LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_h0,
+        USE_DHT=use_dht, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ,
+        num_warps=num_warps, num_stages=1,
+    )
+    return dq, dk, dv, dbeta, dlam, dS0, dlk0, dtx0, dtv0
+
+
+class FusedRecurrentFalconFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, lam, S0, lk0, tx0, tv0, c0, cu_seqlens, scale, eps, eps_gamma, rule,
+                window, lam_coupled, shift, output_final_state):
+        o, (St, lkt, txt, tvt, ct) = falcon_fused_recurrent_fwd(
+            q, k, v, beta, lam, scale, eps, eps_gamma, rule, window, lam_coupled, shift,
+            S0, lk0, tx0, tv0, c0, output_final_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, beta, lam, S0, lk0, tx0, tv0, c0, cu_seqlens)
+        ctx.args = (scale, eps, eps_gamma, rule, window, lam_coupled, shift)
+        if ct is not None:
+            ctx.mark_non_differentiable(ct)
+        return o, St, lkt, txt, tvt, ct
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dSt, dlkt, dtxt, dtvt, dct):
+        q, k, v, beta, lam, S0, lk0, tx0, tv0, c0, cu_seqlens = ctx.saved_tensors
+        scale, eps, eps_gamma, rule, window, lam_coupled, shift = ctx.args
+        # autograd's cotangents may be expanded views (e.g. the gradient of a .sum())
+        do, dSt, dlkt, dtxt, dtvt = (None if g is None else g.contiguous() for g in (do, dSt, dlkt, dtxt, dtvt))
+        dq, dk, dv, dbeta, dlam, dS0, dlk0, dtx0, dtv0 = falcon_fused_recurrent_bwd(
+            q, k, v, beta, lam, do, dSt, dlkt, dtxt, dtvt, scale, eps, eps_gamma, rule, window, lam_coupled,
+            shift, S0, lk0, tx0, tv0, c0, cu_seqlens)
+        cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
+        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam),
+                cast(dS0, S0), cast(dlk0, lk0), cast(dtx0, tx0), cast(dtv0, tv0),
+                None, None, None, None, None, None, None, None, None, None)
+
+
+def fused_recurrent_falcon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor | None = None,
+    *,
+    rule: str = 'falcon1',
+    window: int = 1,
+    scale: float | None = None,
+    eps: float = DEFAULT_EPS,
+    eps_gamma: float = DEFAULT_EPS_GAMMA,
+    lam_coupled: bool = False,
+    shift: bool = True,
+    initial_state: FalconState | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, FalconState | None]:
+    r"""Falcon recurrence with fused Triton kernels (token by token; for decoding and short inputs).
+
+    Same arguments, defaults and results as :func:`fla_falcon.ops.falcon.naive.naive_recurrent_falcon`
+    (see there): ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``beta [B, T, HV]`` or ``[B, T, HV, V]``
+    (falcon2/2a), ``lam [B, T, HV]`` or None. State and accumulation are fp32 (bf16/fp16/fp32
+    inputs); ``o`` has ``v``'s dtype and the final :class:`FalconState` is fp32 (fp64 for fp64
+    inputs, computed in fp32). Differentiable in q, k, v, beta, lam and the initial state's
+    ``S, last_k, tail_x, tail_v``, also through the returned final state.
+    """
+    scale, N = validate_falcon_inputs(
+        q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
+        lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    lam = lam.contiguous() if lam is not None else None
+    if initial_state is not None:
+        S0, lk0, tx0, tv0, c0 = (t.contiguous() for t in initial_state)
+    else:
+        S0 = lk0 = tx0 = tv0 = c0 = None
+    args = (q, k, v, beta, lam, S0, lk0, tx0, tv0, c0, cu_seqlens, scale, float(eps), float(eps_gamma), rule,
+            window, lam_coupled, shift, output_final_state)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, beta, lam, S0, lk0, tx0, tv0))
+    if needs_grad:
+        o, St, lkt, txt, tvt, ct = FusedRecurrentFalconFunction.apply(*args)
+    else:
+        # inference (decoding): no autograd bookkeeping
+        o, (St, lkt, txt, tvt, ct) = falcon_fused_recurrent_fwd(
+            q, k, v, beta, lam, scale, float(eps), float(eps_gamma), rule, window, lam_coupled, shift,
+            S0, lk0, tx0, tv0, c0, output_final_state, cu_seqlens)
+    final_state = None
+    if output_final_state:
+        final_state = FalconState(St, lkt, txt, tvt, ct)
+        if q.dtype == torch.float64:
+            final_state = FalconState(*(t.double() for t in final_state[:4]), ct)
+    return o, final_state
