@@ -1,0 +1,143 @@
+# -*- coding: utf-8 -*-
+"""Time chunk_falcon against fla's chunk kernels (same process, triton.testing.do_bench), bf16, CUDA only.
+
+Baselines: chunk_gated_delta_rule (target for falcon1), chunk_simple_gla (target for falcon1a,
+falcon2a, falcon3a) and chunk_delta_rule. fla 0.6.0 refuses its gated chunk backward
+(chunk_bwd_dqkwg with a gate) on Hopper with Triton 3.4-3.7.0 because of a miscompilation (fla issue
+#640); to time those baselines this script lifts that guard in its own process only (the
+miscompilation affects their gradients' values, not their speed) and says so in the table.
+
+Writes benchmarks/results/chunk.json and chunk.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import fla_falcon  # noqa: F401  (before fla)
+import torch
+import torch.nn.functional as F
+
+from fla_falcon.ops.falcon.chunk import SUPPORTED_RULES, chunk_falcon
+
+TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon1a': ('chunk_simple_gla', 1.0),
+           'falcon2a': ('chunk_simple_gla', 1.2), 'falcon3a': ('chunk_simple_gla', 1.3)}
+DEFAULT_SHAPES = ['4,4096,16,128,128', '1,16384,16,128,128']
+
+
+def lift_fla_guard() -> bool:
+    """Lets fla's gated chunk backward run on Triton 3.4-3.7 Hopper (fla #640 guard); True if lifted."""
+    import fla.ops.common.chunk_o as chunk_o
+    guarded = chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1
+    if guarded:
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+    return bool(guarded)
+
+
+def make_cases(B, T, H, K, V, window):
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    dev, dt = 'cuda', torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device=dev, dtype=dt)
+    k = F.normalize(torch.randn(B, T, H, K, device=dev, dtype=torch.float32), dim=-1).to(dt)
+    v = torch.randn(B, T, H, V, device=dev, dtype=dt)
+    beta = torch.rand(B, T, H, device=dev, dtype=dt)
+    g = F.logsigmoid(torch.randn(B, T, H, device=dev, dtype=torch.float32))
+    lam = torch.rand(B, T, H, device=dev, dtype=dt)
+    beta_col = torch.rand(B, T, H, V, device=dev, dtype=dt)
+    leaves = [q, k, v, beta, g, lam, beta_col]
+    for t in leaves:
+        t.requires_grad_()
+    cases = {
+        'chunk_gated_delta_rule': lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
+        'chunk_simple_gla': lambda: chunk_simple_gla(q, k, v, g)[0],
+        'chunk_delta_rule': lambda: chunk_delta_rule(q, k, v, beta)[0],
+    }
+    for rule in SUPPORTED_RULES:
+        b = beta_col if rule.startswith('falcon2') else beta
+        w = window if rule.startswith('falcon3') else 1
+        cases[rule] = (lambda rule=rule, b=b, w=w: chunk_falcon(q, k, v, b, lam, rule=rule, window=w)[0])
+    return cases, leaves
+
+
+def bench(fn, leaves, backward):
+    from triton.testing import do_bench
+
+    if not backward:
+        def run():
+            with torch.no_grad():
+                fn()
+    else:
+        do = None
+
+        def run():
+            nonlocal do
+            o = fn()
+            if do is None:
+                do = torch.randn_like(o)
+            o.backward(do)
+            for t in leaves:
+                t.grad = None
+    run()
+    return do_bench(run, warmup=25, rep=100)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--shapes', nargs='+', default=DEFAULT_SHAPES, help='B,T,H,K,V (default: %(default)s)')
+    parser.add_argument('--window', type=int, default=4, help='window B of falcon3a (default: %(default)s)')
+    parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results'),
+                        help='output folder for chunk.json and chunk.md (default: %(default)s)')
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit('benchmark_chunk.py needs a CUDA GPU (the Triton kernels are timed on the device); none found.')
+    lifted = lift_fla_guard()
+    results = []
+    for spec in args.shapes:
+        B, T, H, K, V = (int(x) for x in spec.split(','))
+        cases, leaves = make_cases(B, T, H, K, V, args.window)
+        row = {'shape': [B, T, H, K, V], 'ms': {}}
+        for name, fn in cases.items():
+            row['ms'][name] = {'fwd': bench(fn, leaves, False), 'fwd+bwd': bench(fn, leaves, True)}
+            print(f"{spec:>22} {name:>24} fwd {row['ms'][name]['fwd']:8.3f} ms  "
+                  f"fwd+bwd {row['ms'][name]['fwd+bwd']:8.3f} ms", flush=True)
+        row['ratio'] = {rule: {m: row['ms'][rule][m] / row['ms'][base][m] for m in ('fwd', 'fwd+bwd')}
+                        for rule, (base, _) in TARGETS.items() if rule in row['ms']}
+        results.append(row)
+        del cases, leaves
+        torch.cuda.empty_cache()
+    meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
+            'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
+            'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)'}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
+        json.dump({'meta': meta, 'results': results}, f, indent=2)
+    lines = ['# chunk_falcon vs fla chunk kernels (bf16, ms, triton.testing.do_bench)', '',
+             f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, falcon3a window {args.window}.", '']
+    if lifted:
+        lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
+                  "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "
+                  "may be wrong there, their timings are what is compared.", '']
+    for row in results:
+        lines += [f"## (B, T, H, K, V) = {tuple(row['shape'])}", '', '| op | fwd | fwd+bwd |', '|---|---:|---:|']
+        for name, t in row['ms'].items():
+            lines.append(f"| {name} | {t['fwd']:.3f} | {t['fwd+bwd']:.3f} |")
+        lines += ['', '| rule | baseline | fwd ratio | fwd+bwd ratio | target (fwd+bwd) |', '|---|---|---:|---:|---:|']
+        for rule, r in row['ratio'].items():
+            base, target = TARGETS[rule]
+            ok = 'met' if r['fwd+bwd'] <= target else 'missed'
+            lines.append(f"| {rule} | {base} | {r['fwd']:.2f}x | {r['fwd+bwd']:.2f}x | <= {target}x ({ok}) |")
+        lines.append('')
+    with open(os.path.join(args.out, 'chunk.md'), 'w') as f:
+        f.write('\n'.join(lines))
+    print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,1079 @@
+# -*- coding: utf-8 -*-
+"""Chunk-parallel Triton kernels of the Falcon rules (training and prefill path).
+
+Per value head, with the shifted key ``x_t`` (``k_{t-1}``, or ``k_t`` with ``shift=False``), the
+per-token gates ``eta_t = beta_t / (E_t + lam_t + eps)``, ``alpha_t = min(eta_t lam_t, 1 - eps_gamma)``
+and ``g_t = log(1 - alpha_t)`` (``G`` their cumulative sum inside a chunk), the supported rules
+are a state recurrence ``S_t = exp(g_t) S_{t-1} + x_t u_t^T`` with
+
+- falcon1a: ``u_t = eta_t v_t`` (scalar-gated linear attention on the shifted keys);
+- falcon2a: the same with one gain/step/decay per value column (``g``, ``G``, ``eta`` are
+  ``[T, V]``): the decay multiplies the columns of S, see the falcon2a section below;
+- falcon1:  ``u_t = eta_t (v_t - S_{t-1}^T x_t)``. Inside a chunk starting at state ``S0`` this is the
+  unit lower-triangular system ``(I + L) U = diag(eta) V - diag(eta exp(G_{t-1})) X S0`` with
+  ``L_ts = eta_t exp(G_{t-1} - G_s) x_t.x_s`` (s < t), i.e. the gated delta rule with
+  ``beta' = eta / gamma`` and ``v' = gamma v`` written without dividing by gamma. With
+  ``A = (I + L)^-1``, ``W = A diag(eta exp(G_{t-1})) X`` and ``U0 = A diag(eta) V``: ``U = U0 - W S0``.
+
+Every exponent is a difference ``G_t - G_s`` with s <= t, so every factor is <= 1.
+
+Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum; falcon1 also A, W, U0), ``_fwd_h``
+(sequential over chunks: chunk-start states, falcon1's corrected U), ``_fwd_o`` (outputs).
+Backward: ``_bwd_dv_local`` + ``_bwd_dhu`` (state gradients, dU), ``_bwd_dqx`` (dq, the attention
+part of dx, the decay gradients of the output/state paths; falcon1a finishes there with the gates'
+chain rule) and, for falcon1, ``_bwd_gates`` (the WY backward, then the gates' chain rule).
+falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col`` and ``_bwd_col`` for the intra-chunk parts.
+The decay gradient uses the usual identities (every ``+G_t`` term of an output / every ``-G_s``
+term of a write): ``dG_t = q_t.dq_t - x_t.dx_t`` (scalar decay) or ``o_t * do_t - u_t * du_t``
+(per column), plus ``<S_next, dS_next>`` on the chunk's last row; ``dg`` is its reverse cumsum
+inside the chunk. The chain rule then runs through ``log1p(-alpha)``, the clamp, ``eta`` and
+``E = ||x||^2``, and the key gradient is written already shifted back onto k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
+
+from fla_falcon.ops.falcon.utils import (
+    DEFAULT_EPS,
+    DEFAULT_EPS_GAMMA,
+    FalconState,
+    rule_info,
+    validate_falcon_inputs,
+)
+
+SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2a')
+
+# 8 warps keep the backward kernels free of register spills at K = V = 128 (ptxas, sm_90a); the
+# interpreter keeps only the first config
+CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
+# the sequential state kernels run one program per (value block, sequence, head): narrower value
+# blocks give more programs when there are few sequences
+CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
+
+
+# ----------------------------------------------------------------------------------------------
+# jit helpers
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT: tl.constexpr,
+              IS_VARLEN: tl.constexpr):
+    """(sequence id, chunk index in the sequence, first token, length, first chunk of the sequence)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        T = eos - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_b
+        bos = i_b * T
+        boh = i_b * tl.cdiv(T, BT)
+    return i_n, i_t, bos, T, boh
+
+
+@triton.jit
+def _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H: tl.constexpr, K: tl.constexpr,
+            BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """The write features x of the rows o_t ([BT, BK] in k's dtype) and whether each row carries a pair.
+
+    With the shift, x_t = k_{t-1}; the first token of a sequence takes the carried last key when the
+    state has seen tokens (count > 0) and has no pair otherwise (no write, no decay)."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    r = o_t - SHIFT
+    m_r = m_t & (r >= 0)
+    b_x = tl.load(k + ((bos + r) * H + i_h)[:, None] * K + o_k[None, :],
+                  mask=m_r[:, None] & m_k[None, :], other=0)
+    valid = m_t
+    if SHIFT:
+        if USE_INITIAL_STATE:
+            # a vector load: the interpreter cannot mix a scalar bool into a vector mask
+            has_prev = tl.load(count + i_n + o_t * 0) > 0
+            b_l = tl.load(last_k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(b_x.dtype)
+            first = (o_t == 0) & has_prev
+            b_x = tl.where(first[:, None], b_l[None, :], b_x)
+            valid = m_t & ((o_t > 0) | has_prev)
+        else:
+            valid = m_t & (o_t > 0)
+    return b_x, valid
+
+
+@triton.jit
+def _stats(b_x, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, HAS_LAM: tl.constexpr,
+           LAM_COUPLED: tl.constexpr):
+    """Per-row energy E = ||x||^2, ridge lam' (lam, or lam * E with E a statistic) and E + lam' + eps."""
+    b_E = tl.sum(b_x * b_x, 1)
+    if HAS_LAM:
+        b_lam = tl.load(lam + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
+        if LAM_COUPLED:
+            b_lp = b_lam * b_E
+        else:
+            b_lp = b_lam
+    else:
+        b_lp = tl.zeros_like(b_E)
+    return b_E, b_lp, b_E + b_lp + eps
+
+
+@triton.jit
+def _gate(b_beta, b_lp, b_den, valid, eps_gamma):
+    """eta = beta / den (0 without a pair or when den = 0), alpha = min(eta lam', 1 - eps_gamma), whether
+    the clamp is active and g = log(1 - alpha); elementwise, so per row or per (row, column)."""
+    ok = valid & (b_den > 0)
+    b_eta = tl.where(ok, b_beta / tl.where(ok, b_den, 1.), 0.)
+    b_a = b_eta * b_lp
+    clamped = b_a > 1 - eps_gamma
+    b_a = tl.minimum(b_a, 1 - eps_gamma)
+    # log1p(-a) accurately in fp32 (Goldberg): log(u) * (-a) / (u - 1) with u = 1 - a rounded
+    b_u = 1 - b_a
+    b_g = tl.where(b_u == 1, -b_a, tl.log(b_u) * (-b_a) / tl.where(b_u == 1, 1., b_u - 1))
+    b_g = tl.where(valid, b_g, 0.)
+    return b_eta, b_a, clamped, b_g
+
+
+@triton.jit
+def _gates(b_x, beta, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, eps_gamma,
+           HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr):
+    """Per-row gates of the scalar-gain rules: (E, lam', den, eta, alpha, clamped, g) in fp32."""
+    b_E, b_lp, b_den = _stats(b_x, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
+    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    return b_E, b_lp, b_den, b_eta, b_a, clamped, b_g
+
+
+@triton.jit
+def _gates_bwd(b_dG, b_dgd, b_deta, b_lp, b_den, b_eta, b_a, clamped, valid):
+    """Chain rule of the scalar gates: from dG (gradient of the in-chunk cumulative log-decay), the
+    direct gradient of g and that of eta to (dbeta, dlam', dden). Float factors instead of bool masks:
+    Triton cannot move i1 tensors between layouts through shared memory."""
+    # g_t enters G_s for every s >= t of the chunk
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG + b_dgd
+    ok = valid & (b_den > 0)
+    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
+    # no gradient through alpha where the clamp is active; g = log(1 - alpha)
+    b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_a)) * valid.to(tl.float32)
+    b_deta += b_dalpha * b_lp
+    b_dden = -b_deta * b_eta * b_rden
+    return b_deta * b_rden, b_dalpha * b_eta + b_dden, b_dden
+
+
+@triton.jit
+def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t, i_hv,
+                      bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr,
+                      HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Adds the energy path (dE = dden, E = ||x||^2) to dx and writes dk (x_t = k_{t-SHIFT}, so shifted
+    back by one row; row -1 is the carried last key), dbeta and dlam (no gradient through the E factor
+    of a coupled ridge)."""
+    o_k = tl.arange(0, BK)
+    b_dx += (2 * b_dden)[:, None] * b_x
+    tl.store(dbeta + (bos + o_t) * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    if HAS_LAM:
+        if LAM_COUPLED:
+            b_dlp = b_dlp * b_E
+        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp.to(dlam.dtype.element_ty), mask=m_t)
+    r = o_t - SHIFT
+    tl.store(dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
+             mask=(m_t & (r >= 0))[:, None] & (o_k < K)[None, :])
+    if SHIFT:
+        if USE_INITIAL_STATE:
+            b_first = tl.sum(b_dx * ((o_t == 0).to(tl.float32) * valid.to(tl.float32))[:, None], 0)
+            if i_t == 0:
+                tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.jit
+def _prep_fwd(k, v, beta, lam, last_k, count, G, eta, A, W, U,
+              cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, HAS_LAM: tl.constexpr,
+              LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    if PER_COL:
+        # falcon2a: one gain, step, decay and cumulative log-decay per value column
+        b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
+            b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp[:, None], b_den[:, None], valid[:, None], eps_gamma)
+            tl.store(G + p_tv, tl.cumsum(b_g, 0), mask=m_tv)
+            tl.store(eta + p_tv, b_eta, mask=m_tv)
+    else:
+        b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
+            b_xl.to(tl.float32), beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
+        b_G = tl.cumsum(b_g, 0)
+        tl.store(G + (bos + o_t) * HV + i_hv, b_G, mask=m_t)
+        tl.store(eta + (bos + o_t) * HV + i_hv, b_eta, mask=m_t)
+        if DELTA:
+            o_s = tl.arange(0, BT)
+            b_Gx = b_G - b_g
+            b_xx = tl.dot(b_xl, tl.trans(b_xl))
+            m_l = o_t[:, None] > (i_t * BT + o_s)[None, :]
+            # -L: minus the strictly lower part, every exponent <= 0
+            b_L = -tl.where(m_l, b_eta[:, None] * tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)) * b_xx, 0.)
+            # (I + L)^-1: forward substitution inside the 16x16 diagonal blocks (their row i together),
+            # then with D^-1 the block-diagonal inverse and N = D^-1 L_off (nilpotent, N^4 = 0):
+            # A = (I - N + N^2 - N^3) D^-1
+            m_bd = (o_s[:, None] // 16) == (o_s[None, :] // 16)
+            b_D = tl.where(m_bd, b_L, 0.)
+            for i in range(1, 16):
+                m_i = (o_s % 16) == i
+                b_r = tl.sum(tl.where(m_i[:, None], b_D, 0.), 0)
+                b_r = b_r + tl.sum(b_r[:, None] * b_D, 0) * ((o_s % 16) < i)
+                b_D = tl.where(m_i[:, None] & m_bd, b_r[None, :], b_D)
+            b_I = (o_s[:, None] == o_s[None, :]).to(tl.float32)
+            b_D += b_I
+            if BT > 16:
+                b_N = tl.dot(b_D, -tl.where(m_bd, 0., b_L), input_precision="tf32x3")
+                b_N2 = tl.dot(b_N, b_N, input_precision="tf32x3")
+                b_M = b_I - b_N + b_N2
+                if BT > 32:
+                    b_M -= tl.dot(b_N2, b_N, input_precision="tf32x3")
+                b_A = tl.dot(b_M, b_D, input_precision="tf32x3")
+            else:
+                b_A = b_D
+            tl.store(A + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_A, mask=m_t[:, None])
+            b_Al = b_A.to(k.dtype.element_ty)
+            o_k = tl.arange(0, BK)
+            b_w = tl.dot(b_Al, (b_xl * (b_eta * tl.exp(b_Gx))[:, None]).to(k.dtype.element_ty))
+            tl.store(W + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
+                     mask=m_t[:, None] & (o_k < K)[None, :])
+            for i_v in range(tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
+                p_v = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+                b_v = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
+                b_u = tl.dot(b_Al, (b_v * b_eta[:, None]).to(k.dtype.element_ty))
+                tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
+
+
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'IS_VARLEN'])
+@triton.jit
+def _fwd_h(k, v, last_k, count, G, eta, W, U, h, h0, ht, vn,
+           cu_seqlens, chunk_offsets, T,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+           STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
+    for i_t in range(NT):
+        tl.store(h + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        last = min(i_t * BT + BT, T) - 1
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        if PER_COL:
+            b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+            b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=o_v < V, other=0)
+            b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+            b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta
+            b_u = (b_u * tl.exp(b_Gl[None, :] - b_G)).to(k.dtype.element_ty)
+            b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_x), b_u)
+        else:
+            b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+            b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+            if DELTA:
+                b_w = tl.load(W + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :],
+                              mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+                b_u = tl.load(U + p_tv, mask=m_tv, other=0).to(tl.float32)
+                b_u -= tl.dot(b_w, b_h.to(b_w.dtype))
+                tl.store(vn + p_tv, b_u.to(vn.dtype.element_ty), mask=m_tv)
+            else:
+                b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+                b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta[:, None]
+            b_u = (b_u * tl.exp(b_Gl - b_G)[:, None]).to(k.dtype.element_ty)
+            b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u)
+    if STORE_FINAL_STATE:
+        tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.jit
+def _fwd_o(q, k, v, last_k, count, G, eta, vn, h, o, scale,
+           cu_seqlens, chunk_indices, chunk_offsets, T,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_h = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    if DELTA:
+        b_u = tl.load(vn + p_tv, mask=m_tv, other=0)
+    else:
+        b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+        b_u = (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta[:, None]).to(q.dtype.element_ty)
+    b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)[:, None]
+    b_s = tl.dot(b_q, tl.trans(b_x))
+    m_s = o_t[:, None] >= o_t[None, :]
+    b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
+    b_o += tl.dot(b_s.to(b_q.dtype), b_u.to(b_q.dtype))
+    tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dv_local(q, k, last_k, count, G, do, du, scale,
+                  cu_seqlens, chunk_indices, chunk_offsets, T,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_st = tl.dot(b_x, tl.trans(b_q))           # [s, t]
+    m_s = o_t[:, None] <= o_t[None, :]
+    b_st = tl.where(m_s, b_st * tl.exp(tl.where(m_s, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0)
+    b_du = tl.dot(b_st.to(b_do.dtype), b_do)
+    tl.store(du + p_tv, b_du, mask=m_tv)
+
+
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'IS_VARLEN'],
+                 restore_value=['du'])
+@triton.jit
+def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
+             cu_seqlens, chunk_offsets, T,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+             USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c (falcon1 also adds the
+    state path exp(G_C - G) X dh to dU, which its state gradient needs)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
+    for i_t in range(NT - 1, -1, -1):
+        tl.store(dh + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        last = min(i_t * BT + BT, T) - 1
+        b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                      mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
+        if PER_COL:
+            b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+            b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=o_v < V, other=0)
+            b_dod = (b_do * tl.exp(b_G) * scale).to(b_q.dtype)
+            b_dh_next = b_dh
+            b_dh = b_dh * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_q), b_dod)
+        else:
+            b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+            b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+            b_dod = (b_do * (tl.exp(b_G) * scale)[:, None]).to(b_q.dtype)
+            b_dh_next = b_dh
+            b_dh = b_dh * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), b_dod)
+        if DELTA:
+            # the state path of dU is needed here (dS0 -= W^T dU); the other rules add it in the
+            # parallel per-chunk kernel, which keeps this sequential loop short
+            b_du = tl.load(du + p_tv, mask=m_tv, other=0)
+            b_du += tl.dot(b_x, b_dh_next.to(b_q.dtype)) * tl.exp(b_Gl - b_G)[:, None]
+            tl.store(du + p_tv, b_du, mask=m_tv)
+            b_w = tl.load(W + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :],
+                          mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+            b_dh -= tl.dot(tl.trans(b_w), b_du.to(b_w.dtype))
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
+             dk, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
+             cu_seqlens, chunk_indices, chunk_offsets, T,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
+    dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
+    the gates' chain rule and writes dk, dbeta, dlam."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+    b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dst = tl.zeros([BT, BT], dtype=tl.float32)
+    b_deta = tl.zeros([BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
+        b_du = tl.load(du + p_tv, mask=m_tv, other=0)
+        if not DELTA:   # the state path of dU (falcon1 added it in _bwd_dhu)
+            b_du += tl.dot(b_x, b_dh.to(b_q.dtype)) * tl.exp(b_Gl - b_G)[:, None]
+        if DELTA:
+            b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype)
+            b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
+        else:
+            b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+            b_u = (b_v * b_eta[:, None]).to(b_q.dtype)
+            b_deta += tl.sum(b_du * b_v, 1)
+            tl.store(dv + p_tv, (b_du * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
+        b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
+        b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
+        b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    m_s = o_t[:, None] >= o_t[None, :]
+    b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
+    m_st = o_t[:, None] <= o_t[None, :]
+    b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
+    b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
+    b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
+    b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
+    # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
+    b_xf = b_x.to(tl.float32)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - tl.sum(b_xf * b_dx, 1)
+    b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
+    b_dG += tl.where(o_t == last, b_end, 0.)
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    if DELTA:
+        tl.store(dx + p_tk, b_dx, mask=m_tk)
+        tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
+        tl.store(dw + p_tk, -b_dw, mask=m_tk)
+    else:
+        b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
+            b_xf, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
+        b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, tl.zeros([BT], dtype=tl.float32), b_deta, b_lp, b_den, b_eta,
+                                            b_a, clamped, valid)
+        _store_gate_grads(b_xf, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t,
+                          i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv, dk, dlast_k, dbeta, dlam,
+               eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+               USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """falcon1's WY backward, then the gates' chain rule; writes dk (shifted back by one token), the
+    carried last key's gradient, dv, dbeta and dlam."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_s = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_x = b_xl.to(tl.float32)
+    b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
+        b_x, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_dx = tl.load(dx + p_tk, mask=m_tk, other=0)
+    b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_dgd = tl.zeros([BT], dtype=tl.float32)   # direct gradient of g_t (outside the cumsum)
+    dt = b_xl.dtype   # matmul inputs in the inputs' dtype, as in the forward
+    b_deta = tl.zeros([BT], dtype=tl.float32)
+    b_Gx = b_G - b_g
+    b_b = b_eta * tl.exp(b_Gx)
+    p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
+    # A^T, loaded through transposed pointers (row s of A^T is column s of A)
+    p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
+    b_At = tl.load(A + p_At, mask=m_t[None, :], other=0).to(dt)
+    b_dw = tl.load(dw + p_tk, mask=m_tk, other=0).to(dt)
+    # W = A diag(b) X, U0 = A diag(eta) V: dA = dW (bX)^T + dU (eta V)^T
+    b_dA = tl.dot(b_dw, tl.trans((b_x * b_b[:, None]).to(dt)))
+    b_Atdw = tl.dot(b_At, b_dw)
+    b_dx += b_Atdw * b_b[:, None]
+    b_db = tl.sum(b_Atdw * b_x, 1)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_du = tl.load(du + p_tv, mask=m_tv, other=0).to(dt)
+        b_dA += tl.dot(b_du, tl.trans((b_v * b_eta[:, None]).to(dt)))
+        b_Atdu = tl.dot(b_At, b_du)
+        tl.store(dv + p_tv, (b_Atdu * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_deta += tl.sum(b_Atdu * b_v, 1)
+    # A = (I + L)^-1: dL = -A^T dA A^T on the strictly lower part
+    b_dL = -tl.dot(tl.dot(b_At, b_dA.to(dt)).to(dt), b_At)
+    m_l = o_s[:, None] > o_s[None, :]
+    b_F = tl.where(m_l, tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)), 0.)    # [t, s]
+    b_P = b_dL * b_F * b_eta[:, None]
+    # P^T through a scratch buffer: a transposed dot result fed into tl.dot miscompiles on Hopper
+    tl.store(dP + p_A, b_P, mask=m_t[:, None])
+    tl.debug_barrier()
+    b_Pt = tl.load(dP + p_At, mask=m_t[None, :], other=0)
+    b_dx += tl.dot(b_P.to(dt), b_xl) + tl.dot(b_Pt.to(dt), b_xl)
+    b_R = b_dL * b_F * tl.dot(b_xl, tl.trans(b_xl))
+    b_deta += tl.sum(b_R, 1)
+    b_Q = b_R * b_eta[:, None]
+    b_dG += tl.sum(b_Q, 1) - tl.sum(b_Q, 0)
+    b_dgd -= tl.sum(b_Q, 1)
+    b_deta += b_db * tl.exp(b_Gx)
+    b_dG += b_db * b_b
+    b_dgd -= b_db * b_b
+    b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_deta, b_lp, b_den, b_eta, b_a, clamped, valid)
+    _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t, i_hv,
+                      bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+
+
+# ----------------------------------------------------------------------------------------------
+# falcon2a: per-column decays. Inside a chunk, exp(G_t - G_s) differs per value column, so the
+# intra-chunk products are split by 16-row sub-chunks: for t in sub-chunk a and s before it,
+# exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r the last row before sub-chunk a (both
+# factors <= 1, a tensor-core product between them); the diagonal 16x16 blocks go one offset d at
+# a time (rows s = 16 (t // 16) + d gathered from memory), elementwise in fp32.
+# ----------------------------------------------------------------------------------------------
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
+               cu_seqlens, chunk_indices, chunk_offsets, T,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_h = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & m_v[None, :], other=0)
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+    b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * tl.load(eta + p_tv, mask=m_tv, other=0)
+    b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)
+    b_A = tl.dot(b_q, tl.trans(b_x))
+    for a in tl.static_range(1, BT // 16):
+        m_r = (i_t * BT + a * 16 - 1 + o_v * 0) < T   # a vector: see _load_x
+        b_Gr = tl.load(G + ((bos + i_t * BT + a * 16 - 1) * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0)
+        m_a = (o_s // 16) == a
+        m_b = o_s < a * 16
+        b_Aa = tl.where(m_a[:, None] & m_b[None, :], b_A, 0.)
+        b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+        b_oa = tl.dot(b_Aa.to(b_q.dtype), b_ua.to(b_q.dtype))
+        b_o += tl.where(m_a[:, None], b_oa * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+    for d in range(16):
+        s_t = (o_s // 16) * 16 + d
+        m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T)
+        b_ad = tl.sum(tl.where(o_s[None, :] == s_t[:, None], b_A, 0.), 1)
+        p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        m_sv = m_d[:, None] & m_v[None, :]
+        b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
+        b_us = tl.load(v + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
+        b_o += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)) * b_us, 0.)
+    tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
+                      cu_seqlens, chunk_indices, chunk_offsets, T,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t, per column."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+    b_At = tl.dot(b_x, tl.trans(b_q))           # [s, t]
+    b_du = tl.zeros([BT, BV], dtype=tl.float32)
+    for a in tl.static_range(1, BT // 16):
+        m_r = (i_t * BT + a * 16 - 1 + o_v * 0) < T   # a vector: see _load_x
+        b_Gr = tl.load(G + ((bos + i_t * BT + a * 16 - 1) * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0)
+        m_a = (o_s // 16) == a
+        m_b = o_s < a * 16
+        b_Aa = tl.where(m_b[:, None] & m_a[None, :], b_At, 0.)
+        b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+        b_dua = tl.dot(b_Aa.to(b_q.dtype), b_doa.to(b_q.dtype))
+        b_du += tl.where(m_b[:, None], b_dua * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+    for d in range(16):
+        t_s = (o_s // 16) * 16 + d
+        m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
+        b_ad = tl.sum(tl.where(o_s[None, :] == t_s[:, None], b_At, 0.), 1)
+        p_s = ((bos + i_t * BT + t_s) * HV + i_hv)[:, None] * V + o_v[None, :]
+        m_sv = m_d[:, None] & m_v[None, :]
+        b_Gt = tl.load(G + p_s, mask=m_sv, other=0)
+        b_dot = tl.load(do + p_s, mask=m_sv, other=0).to(tl.float32)
+        b_du += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_Gt - b_G, 0.)) * b_dot, 0.)
+    tl.store(du + p_tv, b_du * scale, mask=m_tv)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf,
+             dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
+             cu_seqlens, chunk_indices, chunk_offsets, T,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+             SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """falcon2a per chunk: dq, dx, and the per-column decay gradient
+    dG = o * do - u * du (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the
+    gates' chain rule, all in one pass over the value blocks."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+    dt = b_q.dtype
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_x = b_xl.to(tl.float32)
+    b_E, b_lp, b_den = _stats(b_x, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    # per-row float factors instead of bool masks: Triton cannot move i1 tensors between layouts
+    # through shared memory, and these rows meet the dot layouts below
+    ok = valid & (b_den > 0)
+    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
+    b_validf = valid.to(tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dden = tl.zeros([BT], dtype=tl.float32)
+    b_dlp = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = (o_k < K)[:, None] & m_v[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_o = tl.load(o + p_tv, mask=m_tv, other=0)
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        # dU: the in-chunk outputs' part (_bwd_dv_local_col) plus the state path
+        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
+        b_du = tl.load(du + p_tv, mask=m_tv, other=0) + b_duS
+        b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_eta = b_beta * b_rden[:, None]
+        b_a = b_eta * b_lp[:, None]
+        clamped = b_a > 1 - eps_gamma
+        b_a = tl.minimum(b_a, 1 - eps_gamma)
+        b_u = b_eta * b_v
+        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h.to(dt)))
+        b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh.to(dt)))
+        # ds_ts = sum_v do_t u_s exp(G_t - G_s): sub-chunks below the diagonal by tensor cores
+        for a in tl.static_range(1, BT // 16):
+            m_r = (i_t * BT + a * 16 - 1 + o_v * 0) < T   # a vector: see _load_x
+            b_Gr = tl.load(G + ((bos + i_t * BT + a * 16 - 1) * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0)
+            m_a = (o_s // 16) == a
+            m_b = o_s < a * 16
+            b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+            b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+            b_ds += tl.dot(b_doa.to(dt), tl.trans(b_ua.to(dt)))
+        # ... and the diagonal blocks one offset at a time
+        for d in range(16):
+            s_t = (o_s // 16) * 16 + d
+            m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T)
+            p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            m_sv = m_d[:, None] & m_v[None, :]
+            b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
+            b_us = tl.load(v + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
+            b_val = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
+            # a separate accumulator: a bool mask must not be converted into the dot layout
+            b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_val[:, None]
+        # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
+        b_dG = b_o * b_do - b_u * b_du
+        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
+        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
+        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
+        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_a)) * b_validf[:, None]
+        b_deta = b_du * b_v + b_dalpha * b_lp[:, None]
+        b_dlp += tl.sum(b_dalpha * b_eta, 1)
+        b_dbeta = b_deta * b_rden[:, None]
+        b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
+        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv, (b_du * b_eta).to(dv.dtype.element_ty), mask=m_tv)
+    b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
+    b_dq = b_dq * scale + tl.dot(b_ds.to(dt), b_xl)
+    # ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on Hopper)
+    p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
+    tl.store(ds_buf + p_A, b_ds, mask=m_t[:, None])
+    tl.debug_barrier()
+    b_dst = tl.load(ds_buf + ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None],
+                    mask=m_t[None, :], other=0)
+    b_dx = tl.dot(b_dst.to(dt), b_q) + b_dxs
+    b_dlp += b_dden
+    b_dx += (2 * b_dden)[:, None] * b_x
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    if HAS_LAM:
+        if LAM_COUPLED:
+            b_dlp = b_dlp * b_E
+        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
+    r = o_t - SHIFT
+    tl.store(dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
+             mask=m_tk & (r >= 0)[:, None])
+    if SHIFT:
+        if USE_INITIAL_STATE:
+            b_first = tl.sum(tl.where((o_t == 0)[:, None] & valid[:, None], b_dx, 0.), 0)
+            if i_t == 0:
+                tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+def _meta(q, v, chunk_size, cu_seqlens):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    BT = chunk_size
+    if cu_seqlens is not None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, BT)
+        NT, N, NTH = len(chunk_indices), len(cu_seqlens) - 1, len(chunk_indices)
+    else:
+        chunk_indices = chunk_offsets = None
+        NT, N = triton.cdiv(T, BT), B
+        NTH = B * NT
+    BK = max(triton.next_power_of_2(K), 16)
+    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NT=NT, N=N, NTH=NTH,
+                chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
+
+
+def _chunk_fwd(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, delta, per_col, lam_coupled, shift,
+               output_final_state, cu_seqlens, chunk_size):
+    m = _meta(q, v, chunk_size, cu_seqlens)
+    B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    dev = q.device
+    use_init = S0 is not None
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SHIFT=int(shift), USE_INITIAL_STATE=use_init,
+                  IS_VARLEN=cu_seqlens is not None)
+    G = torch.empty(B, T, HV, *((V,) if per_col else ()), device=dev, dtype=torch.float32)
+    eta = torch.empty_like(G)
+    A = W = U = vn = None
+    if delta:
+        A = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
+        W = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
+        U = torch.empty_like(v)
+        vn = torch.empty_like(v)
+    _prep_fwd[(NT, B * HV)](
+        k, v, beta, lam, last_k, count, G, eta, A, W, U, cu_seqlens, ci, co, eps, eps_gamma, T,
+        DELTA=delta, PER_COL=per_col, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+    h = torch.empty(m['NTH'] if cu_seqlens is not None else B * NT, HV, K, V, device=dev, dtype=q.dtype)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+        k, v, last_k, count, G, eta, W, U, h, S0, ht, vn, cu_seqlens, co, T,
+        DELTA=delta, PER_COL=per_col, STORE_FINAL_STATE=output_final_state, **common_h)
+    if per_col:
+        # fp32 output: the decay gradient reads it back (dG = o * do - u * du)
+        o = torch.empty(B, T, HV, V, device=dev, dtype=torch.float32)
+        _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
+            q, k, v, last_k, count, G, eta, h, o, scale, cu_seqlens, ci, co, T, **common)
+        return o, ht, (G, eta, o, None, None, h)
+    o = torch.empty_like(v)
+    _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, v, last_k, count, G, eta, vn, h, o, scale, cu_seqlens, ci, co, T,
+        DELTA=delta, **common)
+    return o, ht, (G, eta, A, W, vn, h)
+
+
+def _chunk_bwd(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, delta, per_col,
+               lam_coupled, shift, cu_seqlens, chunk_size):
+    G, eta, A, W, vn, h = saved
+    m = _meta(q, v, chunk_size, cu_seqlens)
+    B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    dev = q.device
+    use_init = S0 is not None
+    common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SHIFT=int(shift), USE_INITIAL_STATE=use_init,
+                  IS_VARLEN=cu_seqlens is not None)
+    f32 = dict(device=dev, dtype=torch.float32)
+    do = do.contiguous()
+    du = torch.empty(B, T, HV, V, **f32)
+    dv_local = _bwd_dv_local_col if per_col else _bwd_dv_local
+    dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
+    dh = torch.empty_like(h)
+    dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+        q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
+        DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
+    kdt = q.dtype if HV == H else torch.float32
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
+    dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt)   # with the shift nothing writes the last row
+    dv = torch.empty_like(v)
+    dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
+    dbeta = torch.empty(beta.shape, **f32)
+    dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
+    gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
+    if per_col:
+        o32 = A
+        ds_buf = torch.empty(B, T, HV, BT, **f32)
+        _bwd_col[(NT, B * HV)](
+            q, k, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, ds_buf, dq, dk, dv, dlast_k, dbeta,
+            dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
+        return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)
+    dx = torch.empty(B, T, HV, K, **f32) if delta else None
+    dG = torch.empty(B, T, HV, **f32) if delta else None
+    dw = torch.empty(B, T, HV, K, **f32) if delta else None
+    _bwd_dqx[(NT, B * HV)](
+        q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
+        dk, dlast_k, dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=delta, **gates, **common)
+    if delta:
+        _bwd_gates[(NT, B * HV)](
+            k, v, beta, lam, last_k, count, G, eta, A, torch.empty_like(A), dx, dG, dw, du, dv, dk, dlast_k,
+            dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
+    return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)
+
+
+def _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV):
+    """Grouped value heads: the key-side gradients were computed per value head; sum each group."""
+    G_ = HV // H
+    if G_ > 1:
+        dq = dq.unflatten(2, (H, G_)).sum(3)
+        dk = dk.unflatten(2, (H, G_)).sum(3)
+        if dlast_k is not None:
+            dlast_k = dlast_k.unflatten(1, (H, G_)).sum(2)
+    return dq, dk, dv, dbeta, dlam, dh0, dlast_k
+
+
+class ChunkFalconFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, delta, per_col, lam_coupled,
+                shift, output_final_state, cu_seqlens, chunk_size):
+        o, ht, saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, delta, per_col,
+                                  lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved)
+        ctx.cfg = (scale, eps, eps_gamma, delta, per_col, lam_coupled, shift, chunk_size)
+        if per_col:
+            o = o.to(v.dtype)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved = ctx.saved_tensors
+        scale, eps, eps_gamma, delta, per_col, lam_coupled, shift, chunk_size = ctx.cfg
+        dq, dk, dv, dbeta, dlam, dh0, dlast_k = _chunk_bwd(
+            q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, delta, per_col,
+            lam_coupled, shift, cu_seqlens, chunk_size)
+        cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
+        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam), cast(dh0, S0),
+                cast(dlast_k, last_k), None, None, None, None, None, None, None, None, None, None, None)
+
+
+def chunk_falcon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor | None = None,
+    *,
+    rule: str,
+    window: int = 1,
+    scale: float | None = None,
+    eps: float = DEFAULT_EPS,
+    eps_gamma: float = DEFAULT_EPS_GAMMA,
+    lam_coupled: bool = False,
+    shift: bool = True,
+    initial_state: FalconState | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, FalconState | None]:
+    r"""Chunk-parallel Falcon (Triton), same arguments, semantics and state as
+    :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
+
+    Supports ``falcon1``, ``falcon1a`` and ``falcon2a`` (the others raise ``NotImplementedError``).
+    Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
+    computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32. ``chunk_size``
+    is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial state's ``S`` and ``last_k``.
+    """
+    scale, N = validate_falcon_inputs(
+        q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
+        lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if rule not in SUPPORTED_RULES:
+        raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+    regression, per_col, _ = rule_info(rule)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if K > 256:
+        raise ValueError(f"chunk_falcon supports head dims K <= 256, got K={K}")
+    out_dtype = v.dtype
+    if q.dtype == torch.float64:   # the kernels compute in fp32
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    lam = lam.contiguous() if lam is not None else None
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32 if cu_seqlens.dtype != torch.int64 else torch.int64)
+    if initial_state is not None:
+        S0 = initial_state.S.float().contiguous()
+        last_k0 = initial_state.last_k.float().contiguous()
+        count = initial_state.count.to(torch.int32).contiguous()
+    else:
+        S0 = last_k0 = count = None
+    o, ht = ChunkFalconFunction.apply(
+        q, k, v, beta, lam, S0, last_k0, count, scale, float(eps), float(eps_gamma), regression, per_col,
+        lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+    final_state = None
+    if output_final_state:
+        final_state = _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T)
+    return o.to(out_dtype), final_state
+
+
+def _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T):
+    dev = k.device
+    if cu_seqlens is None:
+        lens = torch.full((N,), T, device=dev, dtype=torch.long)
+        last_rows = k[:, -1] if T > 0 else k.new_zeros(N, H, K)
+    else:
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        last_rows = k[0, (cu_seqlens[1:].long() - 1).clamp(min=0)]
+    if initial_state is not None:
+        prev_k, prev_count = initial_state.last_k.float(), initial_state.count.to(torch.int32)
+    else:
+        prev_k, prev_count = k.new_zeros(N, H, K, dtype=torch.float32), torch.zeros(N, device=dev, dtype=torch.int32)
+    # the last key seen (with or without the shift); counts are read clamped into [0, W]
+    last_k = torch.where((lens > 0)[:, None, None], last_rows.float(), prev_k)
+    count = torch.where(lens > 0, torch.ones_like(prev_count), prev_count.clamp(0, 1))
+    return FalconState(ht, last_k, ht.new_zeros(N, H, 0, K), ht.new_zeros(N, HV, 0, V), count)
+
+
+chunk_falcon.supported_rules = SUPPORTED_RULES

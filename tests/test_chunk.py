@@ -1,0 +1,193 @@
+# -*- coding: utf-8 -*-
+"""chunk_falcon (Triton) vs naive_recurrent_falcon (fp64 autograd): outputs, final state and every gradient."""
+
+import pytest
+import torch
+from conftest import DEVICE
+from fla.utils import assert_close
+
+from fla_falcon import FalconState
+from fla_falcon.ops.falcon.chunk import SUPPORTED_RULES, chunk_falcon
+from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
+
+# fp32 matmuls run in tf32 on the GPU
+RATIO = {torch.float32: 5e-3 if DEVICE == 'cuda' else 1e-4, torch.bfloat16: 2e-2}
+
+
+def make_inputs(rule, B, T, H, G, K, V, lam_mode, init, device, seed=0, cu_seqlens=None, lam_scale=2.0,
+                beta_range=(0.1, 1.9)):
+    torch.manual_seed(seed)
+    HV = H * G
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    q = torch.randn(B, T, H, K, device=device)
+    k = torch.randn(B, T, H, K, device=device)
+    v = torch.randn(B, T, HV, V, device=device)
+    lo, hi = beta_range
+    per_col = rule.startswith('falcon2')
+    beta = torch.rand(B, T, HV, *((V,) if per_col else ()), device=device) * (hi - lo) + lo
+    lam = None if lam_mode == 'off' else torch.rand(B, T, HV, device=device) * lam_scale
+    if lam_mode == 'coupled':
+        lam = lam * 0.5
+    state = None
+    if init:
+        count = torch.tensor([(n + 1) % 2 for n in range(N)], dtype=torch.int32, device=device)   # fresh and seen
+        state = FalconState(0.1 * torch.randn(N, HV, K, V, device=device), torch.randn(N, H, K, device=device),
+                            torch.zeros(N, H, 0, K, device=device), torch.zeros(N, HV, 0, V, device=device), count)
+    return q, k, v, beta, lam, state
+
+
+def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, cu_seqlens=None, chunk_size=64,
+             seed=1, eps=1e-6):
+    """Runs both ops with the same upstream gradients; returns [(name, ref, tri)]."""
+    leaves = {'q': q, 'k': k, 'v': v, 'beta': beta}
+    if lam is not None:
+        leaves['lam'] = lam
+    if state is not None:
+        leaves['S0'], leaves['last_k'] = state.S, state.last_k
+    kw = dict(rule=rule, lam_coupled=lam_mode == 'coupled', shift=shift, output_final_state=True,
+              cu_seqlens=cu_seqlens, eps=eps)
+    results = {}
+    for name, cast in (('ref', torch.float64), ('tri', dtype)):
+        # the reference sees the same (rounded) inputs; the state stays fp32 for the kernel
+        xs = {n: (t.detach().to(dtype).to(cast) if n not in ('S0', 'last_k') else
+                  t.detach().to(torch.float64 if name == 'ref' else torch.float32)).requires_grad_()
+              for n, t in leaves.items()}
+        st = None
+        if state is not None:
+            st = FalconState(xs['S0'], xs['last_k'], state.tail_x.to(xs['S0'].dtype),
+                             state.tail_v.to(xs['S0'].dtype), state.count)
+        args = (xs['q'], xs['k'], xs['v'], xs['beta'], xs.get('lam'))
+        if name == 'ref':
+            o, fs = naive_recurrent_falcon(*args, initial_state=st, **kw)
+        else:
+            o, fs = chunk_falcon(*args, initial_state=st, chunk_size=chunk_size, **kw)
+        g = torch.Generator(device='cpu').manual_seed(seed)
+        do = torch.randn(o.shape, generator=g).to(o.device, torch.float64)
+        dS = torch.randn(fs.S.shape, generator=g).to(o.device, torch.float64)
+        loss = (o.double() * do).sum() + (fs.S.double() * dS).sum() + fs.last_k.double().sum()
+        loss.backward()
+        # a leaf that does not reach the loss has no gradient: compare it as zeros
+        results[name] = [('o', o), ('S', fs.S), ('last_k_T', fs.last_k)] + [
+            (f'd{n}', t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in xs.items()]
+        results[name + '_count'] = fs.count
+    assert torch.equal(results['ref_count'].cpu(), results['tri_count'].cpu())
+    return [(n, r.detach().double(), t.detach().double()) for (n, r), (_, t) in zip(results['ref'], results['tri'])]
+
+
+def check(pairs, dtype):
+    for name, ref, tri in pairs:
+        assert torch.isfinite(tri).all(), name
+        assert_close(name, ref, tri, RATIO[dtype])
+
+
+@pytest.mark.parametrize('chunk_size', [16, 64])
+@pytest.mark.parametrize('T', [1, 63, 64, 65, 130])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_lengths(rule, T, chunk_size, device):
+    inputs = make_inputs(rule, 2, T, 1, 2, 16, 16, 'on', True, device)
+    check(run_both(rule, *inputs, torch.float32, chunk_size=chunk_size), torch.float32)
+
+
+@pytest.mark.parametrize('shift', [True, False])
+@pytest.mark.parametrize('lam_mode', ['off', 'on', 'coupled'])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_options(rule, lam_mode, shift, device):
+    inputs = make_inputs(rule, 1, 40, 2, 1, 16, 16, lam_mode, True, device, seed=2)
+    check(run_both(rule, *inputs, torch.float32, lam_mode=lam_mode, shift=shift, chunk_size=16), torch.float32)
+
+
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_clamp_active(rule, device):
+    # lam >> ||x||^2 and beta near 2: eta*lam hits 1 - eps_gamma for many tokens
+    inputs = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'on', True, device, lam_scale=1e4, beta_range=(1.5, 1.99999))
+    check(run_both(rule, *inputs, torch.float32, chunk_size=16), torch.float32)
+
+
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_odd_head_dims(rule, device):
+    # K, V not powers of two, V over more than one value block
+    inputs = make_inputs(rule, 1, 40, 1, 2, 24, 80, 'on', True, device, seed=3)
+    check(run_both(rule, *inputs, torch.float32, chunk_size=32), torch.float32)
+
+
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_zero_keys(rule, device):
+    # x = 0 rows: with eps = 0 and no ridge the denominator is 0 and eta := 0 (no write, no decay)
+    q, k, v, beta, lam, state = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'off', True, device)
+    k[:, 5:9] = 0
+    k[:, 20] = 0
+    pairs = run_both(rule, q, k, v, beta, None, state, torch.float32, chunk_size=16, eps=0.0)
+    check(pairs, torch.float32)
+
+
+@pytest.mark.parametrize('shift', [True, False])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_varlen(rule, shift, device):
+    cu = torch.tensor([0, 1, 20, 20, 57, 90], device=device)
+    inputs = make_inputs(rule, 1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu)
+    check(run_both(rule, *inputs, torch.float32, shift=shift, cu_seqlens=cu, chunk_size=16), torch.float32)
+
+
+# two fp32 kernel runs that should agree: exactly up to rounding on the CPU, up to TF32 matmul
+# rounding (different chunk boundaries / different kernels) on the GPU
+SAME_OP_RATIO = {'cpu': 1e-5, 'cuda': 2e-3}
+
+
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_segments(rule, device):
+    """Two segments with the carried state give the outputs and final state of one pass."""
+    q, k, v, beta, lam, _ = make_inputs(rule, 2, 70, 1, 1, 16, 16, 'on', False, device)
+    kw = dict(rule=rule, output_final_state=True, chunk_size=16)
+    o, fs = chunk_falcon(q, k, v, beta, lam, **kw)
+    o1, fs1 = chunk_falcon(q[:, :33], k[:, :33], v[:, :33], beta[:, :33], lam[:, :33], **kw)
+    o2, fs2 = chunk_falcon(q[:, 33:], k[:, 33:], v[:, 33:], beta[:, 33:], lam[:, 33:], initial_state=fs1, **kw)
+    assert_close('o', o, torch.cat([o1, o2], 1), SAME_OP_RATIO[device])
+    for name, a, b in zip(FalconState._fields, fs, fs2):
+        assert a.shape == b.shape, name
+        if a.numel():
+            assert_close(name, a.double(), b.double(), SAME_OP_RATIO[device])
+
+
+def test_falcon2a_equal_gains_is_falcon1a(device):
+    """falcon2a with the same gain in every value column is falcon1a (outputs, state, gradients)."""
+    q, k, v, beta, lam, state = make_inputs('falcon1a', 1, 40, 1, 1, 16, 16, 'on', True, device)
+    outs = []
+    for rule in ('falcon1a', 'falcon2a'):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
+        b = xs[3][..., None].expand(*beta.shape, 16) if rule == 'falcon2a' else xs[3]
+        o, fs = chunk_falcon(xs[0], xs[1], xs[2], b, xs[4], rule=rule, initial_state=state,
+                             output_final_state=True, chunk_size=32)
+        (o.sum() + fs.S.square().sum()).backward()
+        outs.append([o, fs.S] + [t.grad for t in xs])
+    for name, a, b in zip(['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam'], *outs):
+        assert_close(name, a.double(), b.double(), SAME_OP_RATIO[device])
+
+
+def test_unsupported_and_bad_args(device):
+    q, k, v, beta, lam, _ = make_inputs('falcon1', 1, 8, 1, 1, 16, 16, 'on', False, device)
+    for rule in ('falcon2', 'falcon3', 'falcon2a', 'falcon3a'):
+        if rule in SUPPORTED_RULES:
+            continue
+        b = beta[..., None].expand(*beta.shape, 16).contiguous() if rule.startswith('falcon2') else beta
+        with pytest.raises(NotImplementedError, match=rule):
+            chunk_falcon(q, k, v, b, lam, rule=rule)
+    with pytest.raises(ValueError, match='chunk_size'):
+        chunk_falcon(q, k, v, beta, lam, rule='falcon1', chunk_size=48)
+    with pytest.raises(ValueError, match='beta'):
+        chunk_falcon(q, k, v, beta[..., :1, None], lam, rule='falcon1')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_gpu_long(rule, dtype, device):
+    inputs = make_inputs(rule, 2, 1000, 2, 2, 64, 64, 'on', True, device)
+    check(run_both(rule, *inputs, dtype), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_gpu_bf16_heads128_varlen(rule, device):
+    cu = torch.tensor([0, 100, 611, 1000], device=device)
+    inputs = make_inputs(rule, 1, 1000, 2, 1, 128, 128, 'coupled', True, device, cu_seqlens=cu)
+    check(run_both(rule, *inputs, torch.bfloat16, lam_mode='coupled', cu_seqlens=cu), torch.bfloat16)
