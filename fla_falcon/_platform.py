@@ -45,6 +45,18 @@ def enable_cpu_interpreter(force: bool = False) -> bool:
 
         one_config_autotune._fla_falcon_one_config = True
         triton.autotune = one_config_autotune
+    # fla's own `fla_cache_autotune` (ShortConvolution, ...) builds its Autotuner subclass without going
+    # through `triton.autotune`: keep only the first pruned config at run time as well, which also
+    # covers kernels defined before this call
+    from triton.runtime.autotuner import Autotuner
+    if not getattr(Autotuner.prune_configs, '_fla_falcon_one_config', False):
+        prune_configs = Autotuner.prune_configs
+
+        def prune_to_first(self, *args, **kwargs):
+            return prune_configs(self, *args, **kwargs)[:1]
+
+        prune_to_first._fla_falcon_one_config = True
+        Autotuner.prune_configs = prune_to_first
     return True
 
 
