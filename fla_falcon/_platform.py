@@ -57,7 +57,35 @@ def enable_cpu_interpreter(force: bool = False) -> bool:
 
         prune_to_first._fla_falcon_one_config = True
         Autotuner.prune_configs = prune_to_first
+    _patch_interpreter_bf16_dot()
     return True
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """The interpreter stores bf16 as raw uint16 bits and its `tl.dot` multiplies those integers
+    (garbage for every bf16 matmul, e.g. chunk_falcon on bf16 inputs). Widen bf16 operands to fp32
+    first: exact (bf16 is the top half of an fp32), and what the GPU's bf16 MMA with fp32 accumulation
+    computes."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    except ImportError:  # pragma: no cover - another Triton layout: leave it alone
+        return
+    create_dot = InterpreterBuilder.create_dot
+    if getattr(create_dot, '_fla_falcon_bf16', False):
+        return
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_bf16(self, a, b, d, *args, **kwargs):
+        return create_dot(self, widen(a), widen(b), d, *args, **kwargs)
+
+    create_dot_bf16._fla_falcon_bf16 = True
+    InterpreterBuilder.create_dot = create_dot_bf16
 
 
 INTERPRET = enable_cpu_interpreter()

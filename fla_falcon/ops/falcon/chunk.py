@@ -987,6 +987,8 @@ class ChunkFalconFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved = ctx.saved_tensors
         scale, eps, eps_gamma, delta, per_col, lam_coupled, shift, chunk_size = ctx.cfg
+        # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
+        dht = dht.contiguous() if dht is not None else None
         dq, dk, dv, dbeta, dlam, dh0, dlast_k = _chunk_bwd(
             q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, delta, per_col,
             lam_coupled, shift, cu_seqlens, chunk_size)
@@ -1019,8 +1021,9 @@ def chunk_falcon(
 
     Supports ``falcon1``, ``falcon1a`` and ``falcon2a`` (the others raise ``NotImplementedError``).
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
-    computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32. ``chunk_size``
-    is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial state's ``S`` and ``last_k``.
+    computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
+    inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
+    state's ``S`` and ``last_k``.
     """
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
@@ -1034,8 +1037,8 @@ def chunk_falcon(
     HV, V = v.shape[2:]
     if K > 256:
         raise ValueError(f"chunk_falcon supports head dims K <= 256, got K={K}")
-    out_dtype = v.dtype
-    if q.dtype == torch.float64:   # the kernels compute in fp32
+    out_dtype, fp64 = v.dtype, q.dtype == torch.float64
+    if fp64:   # the kernels compute in fp32
         q, k, v = q.float(), k.float(), v.float()
     else:
         k, v = k.to(q.dtype), v.to(q.dtype)
@@ -1055,6 +1058,8 @@ def chunk_falcon(
     final_state = None
     if output_final_state:
         final_state = _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T)
+        if fp64:   # FalconState's contract (as naive and fused): fp64 with fp64 inputs
+            final_state = FalconState(*(t.double() for t in final_state[:4]), final_state.count)
     return o.to(out_dtype), final_state
 
 
@@ -1065,7 +1070,8 @@ def _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T):
         last_rows = k[:, -1] if T > 0 else k.new_zeros(N, H, K)
     else:
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        last_rows = k[0, (cu_seqlens[1:].long() - 1).clamp(min=0)]
+        # T = 0 (every sequence empty) has no row to index; empty sequences keep prev_k below anyway
+        last_rows = k[0, (cu_seqlens[1:].long() - 1).clamp(min=0)] if T > 0 else k.new_zeros(N, H, K)
     if initial_state is not None:
         prev_k, prev_count = initial_state.last_k.float(), initial_state.count.to(torch.int32)
     else:
