@@ -341,3 +341,10 @@ def test_bad_inputs():
         fused_recurrent_falcon(q, q, v, beta, rule='falcon2')
     with pytest.raises(ValueError, match='window'):
         fused_recurrent_falcon(q, q, v, beta, rule='falcon1', window=2)
+
+
+def test_key_head_dim_limit():
+    q = torch.randn(1, 2, 1, 257)
+    v = torch.randn(1, 2, 1, 4)
+    with pytest.raises(ValueError, match='K <= 256'):
+        fused_recurrent_falcon(q, q, v, torch.rand(1, 2, 1))

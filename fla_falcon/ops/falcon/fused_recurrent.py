@@ -775,6 +775,9 @@ def fused_recurrent_falcon(
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if q.shape[-1] > 256:
+        # a program holds the full key dimension of its state slice in registers
+        raise ValueError(f"fused_recurrent_falcon supports key head dims K <= 256, got K={q.shape[-1]}")
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
     lam = lam.contiguous() if lam is not None else None
     if initial_state is not None:
