@@ -1,0 +1,1 @@
+"""Evaluation harnesses of fla-falcon (not part of the library API)."""

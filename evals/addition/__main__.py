@@ -1,0 +1,256 @@
+# -*- coding: utf-8 -*-
+"""`python -m evals.addition` / `fla-falcon-addition`: the variable-length addition comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PRESETS = {
+    # CPU smoke test: every model end to end in minutes on 2 cores; not the paper's experiment
+    'tiny': dict(device='cpu', seeds=[0], hidden=64, layers=2, heads=2, intermediate=192, train_min=1, train_max=3,
+                 test_min=4, test_max=6, steps=1000, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.01,
+                 eval_samples=200, eval_batch_size=200, jobs=2, threads=1, mamba_chunk=16),
+    # the paper's protocol (SPEC section 6): train on 1-32 digit operands, test on 33-48; GPU
+    'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
+                  train_max=32, test_min=33, test_max=48, steps=20000, batch_size=128, lr=1e-3, warmup=1000,
+                  weight_decay=0.1, eval_samples=1000, eval_batch_size=500, jobs_per_gpu=4, threads=2,
+                  mamba_chunk=64),
+}
+DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
+                  'gdn', 'deltanet', 'mamba2', 'transformer')
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog='fla-falcon-addition',
+        description="Variable-length addition (length extrapolation): trains each model on operands of "
+                    "train-min..train-max digits, reports exact-match accuracy per operand length up to test-max. "
+                    "Writes results.json, results.md and accuracy_vs_length.png to --out. Presets: 'tiny' (CPU "
+                    "smoke test, minutes) and 'paper' (GPU, train 1-32 / test 33-48, 3 seeds). Any flag given "
+                    "overrides the preset.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--preset', choices=sorted(PRESETS), default='tiny')
+    p.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS), metavar='MODEL',
+                   help="falcon1 falcon2 falcon3 falcon1a falcon2a falcon3a, <rule>-noshift, gdn, deltanet, mamba2, "
+                        "transformer")
+    p.add_argument('--seeds', nargs='+', type=int, default=None, help="seeds (preset: tiny 0; paper 0 1 2)")
+    p.add_argument('--steps', type=int, default=None, help="training steps per run")
+    p.add_argument('--batch-size', type=int, default=None)
+    p.add_argument('--lr', type=float, default=None)
+    p.add_argument('--hidden', type=int, default=None, help="model width (all models)")
+    p.add_argument('--layers', type=int, default=None, help="layers (Mamba-2 gets twice as many: no MLP blocks)")
+    p.add_argument('--heads', type=int, default=None)
+    p.add_argument('--train-lengths', nargs=2, type=int, default=None, metavar=('MIN', 'MAX'),
+                   help="operand digit counts seen in training")
+    p.add_argument('--test-lengths', nargs=2, type=int, default=None, metavar=('MIN', 'MAX'),
+                   help="operand digit counts of the OOD test")
+    p.add_argument('--eval-samples', type=int, default=None, help="test examples per operand length")
+    p.add_argument('--device', default=None, help="cpu, cuda, cuda:1 ... (preset: tiny cpu, paper cuda)")
+    p.add_argument('--kernels', choices=['auto', 'fla', 'torch'], default='auto',
+                   help="auto: PyTorch reference path on CPU, Triton kernels on GPU (GatedDeltaNet via the torch "
+                        "reference where fla refuses its backward); fla: Triton kernels only (unavailable models are "
+                        "skipped); torch: PyTorch reference path everywhere")
+    p.add_argument('--jobs', type=int, default=None,
+                   help="runs in flight at once, each its own process; on GPUs spread round-robin over the visible "
+                        "GPUs, several per GPU (preset: tiny 2; paper 4 per visible GPU); 1 runs in this process")
+    p.add_argument('--threads', type=int, default=None, help="torch CPU threads per run")
+    p.add_argument('--out', default=None, help="results folder (default results/addition/<preset>)")
+    p.add_argument('--resume', action='store_true', help="keep finished runs found in <out>/runs")
+    p.add_argument('--report-only', action='store_true', help="rebuild the report from <out>/runs")
+    p.add_argument('--no-progress', action='store_true', help="no tqdm bars")
+    p.add_argument('--worker', nargs=2, metavar=('SPEC', 'RESULT'), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def build_specs(args) -> tuple[list[dict], dict]:
+    from evals.addition.models import check_model_name
+    cfg = dict(PRESETS[args.preset])
+    for key in ('seeds', 'steps', 'batch_size', 'lr', 'hidden', 'layers', 'heads', 'eval_samples', 'device',
+                'jobs', 'threads'):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if args.hidden is not None and args.preset in PRESETS:
+        cfg['intermediate'] = 3 * cfg['hidden']
+    if args.train_lengths:
+        cfg['train_min'], cfg['train_max'] = args.train_lengths
+    if args.test_lengths:
+        cfg['test_min'], cfg['test_max'] = args.test_lengths
+    if not 1 <= cfg['train_min'] <= cfg['train_max'] < cfg['test_min'] <= cfg['test_max']:
+        raise SystemExit("error: need 1 <= train MIN <= train MAX < test MIN <= test MAX")
+    if cfg['hidden'] % cfg['heads']:
+        raise SystemExit(f"error: --hidden {cfg['hidden']} must be a multiple of --heads {cfg['heads']}")
+    for m in args.models:
+        try:
+            check_model_name(m)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+    size = dict(hidden=cfg['hidden'], layers=cfg['layers'], heads=cfg['heads'], intermediate=cfg['intermediate'],
+                mamba_chunk=cfg['mamba_chunk'])
+    keys = ('train_min', 'train_max', 'test_min', 'test_max', 'steps', 'batch_size', 'lr', 'warmup', 'weight_decay',
+            'eval_samples', 'eval_batch_size', 'threads')
+    specs = [dict(model=m, seed=s, device=cfg['device'], kernels=args.kernels, size=size, **{k: cfg[k] for k in keys})
+             for s in cfg['seeds'] for m in args.models]
+    meta = dict(preset=args.preset, train_lengths=[cfg['train_min'], cfg['train_max']],
+                test_lengths=[cfg['test_min'], cfg['test_max']], config=cfg, models=args.models, kernels=args.kernels)
+    return specs, meta
+
+
+def _environment(device: str) -> dict:
+    import fla
+    import torch
+    import transformers
+    import triton
+    env = dict(python=sys.version.split()[0], torch=torch.__version__, triton=triton.__version__,
+               fla=getattr(fla, '__version__', '?'), transformers=transformers.__version__, device=device,
+               triton_interpret=os.environ.get('TRITON_INTERPRET'))
+    if str(device).startswith('cuda') and torch.cuda.is_available():
+        env['gpu'] = torch.cuda.get_device_name()
+        env['gpus'] = torch.cuda.device_count()
+    return env
+
+
+def _run_name(spec) -> str:
+    return f"{spec['model']}-s{spec['seed']}"
+
+
+def run_parallel(specs, run_dir: Path, jobs: int, progress: bool) -> list[dict]:
+    """Each run in its own process (`--worker`), at most `jobs` at a time; CUDA runs spread over the
+    visible GPUs round-robin by slot (several runs packed per GPU)."""
+    import torch
+    from tqdm.auto import tqdm
+    ngpu = torch.cuda.device_count() if any(str(s['device']).startswith('cuda') for s in specs) else 0
+    # slowest first (measured on CPU: Mamba-2's torch SSD path ~3x a Falcon run, the Transformer ~1/3):
+    # shortens the tail where one slot idles
+    cost = {'mamba2': 3.0, 'falcon3': 1.3, 'falcon3a': 1.3, 'transformer': 0.4}
+    pending = sorted(specs, key=lambda sp: -cost.get(sp['model'].replace('-noshift', ''), 1.0))
+    active, results = {}, []
+    free_slots = list(range(jobs))
+    bar = tqdm(total=len(specs), desc='runs', position=0, disable=not progress, dynamic_ncols=True)
+    while pending or active:
+        while pending and free_slots:
+            spec, slot = pending.pop(0), free_slots.pop(0)
+            spec_path, res_path = run_dir / f"{_run_name(spec)}.spec.json", run_dir / f"{_run_name(spec)}.json"
+            spec_path.write_text(json.dumps(spec))
+            res_path.unlink(missing_ok=True)   # a stale result must not stand in for a crashed worker
+            env = dict(os.environ)
+            if ngpu and str(spec['device']).startswith('cuda'):
+                # the worker sees one GPU (as cuda:0): the (slot mod #GPUs)-th of those visible here
+                visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+                ids = visible.split(',') if visible else [str(i) for i in range(ngpu)]
+                env['CUDA_VISIBLE_DEVICES'] = ids[slot % ngpu].strip()
+            cmd = [sys.executable, '-m', 'evals.addition', '--worker', str(spec_path), str(res_path)]
+            if not progress:
+                cmd.append('--no-progress')
+            env['EVALS_ADDITION_POSITION'] = str(slot + 1)
+            proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[2]))
+            active[slot] = (proc, spec, res_path, spec_path)
+        time.sleep(0.5)
+        for slot, (proc, spec, res_path, spec_path) in list(active.items()):
+            if proc.poll() is None:
+                continue
+            del active[slot]
+            spec_path.unlink(missing_ok=True)
+            free_slots.append(slot)
+            if res_path.exists():
+                results.append(json.loads(res_path.read_text()))
+            else:
+                results.append(dict(model=spec['model'], seed=spec['seed'], status='failed',
+                                    reason=f"worker exited with code {proc.returncode}"))
+            _print_status(results[-1])
+            bar.update(1)
+    bar.close()
+    return results
+
+
+def _quiet() -> None:
+    # fla's notices through transformers-style loggers ('fla.*'): fast path missing, conv backend (the
+    # torch path uses nn.Conv1d), CPU device; they are not about the results
+    import logging
+
+    import transformers
+    transformers.logging.set_verbosity_error()
+    logging.getLogger('fla').setLevel(logging.ERROR)
+
+
+def worker(spec_path: str, result_path: str, progress: bool) -> int:
+    _quiet()
+    from evals.addition.train import run
+    spec = json.loads(Path(spec_path).read_text())
+    if str(spec['device']).startswith('cuda'):
+        spec['device'] = 'cuda'   # CUDA_VISIBLE_DEVICES already picked the GPU
+    rec = run(spec, position=int(os.environ.get('EVALS_ADDITION_POSITION', 0)), progress=progress)
+    Path(result_path).write_text(json.dumps(rec, default=str))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(*args.worker, progress=not args.no_progress)
+    import fla_falcon  # noqa: F401  (before fla: Triton interpreter on CPU-only machines)
+    _quiet()
+    from evals.addition.report import write_report
+
+    specs, meta = build_specs(args)
+    out = Path(args.out or f"results/addition/{args.preset}")
+    run_dir = out / 'runs'
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = meta['config']['device']
+    if str(device).startswith('cuda'):
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit(f"error: --device {device} but no CUDA GPU is visible (use --preset tiny or --device cpu)")
+        if args.jobs is None and 'jobs_per_gpu' in meta['config']:
+            meta['config']['jobs'] = meta['config']['jobs_per_gpu'] * torch.cuda.device_count()
+    meta['environment'] = _environment(device)
+    progress = not args.no_progress
+    start = time.perf_counter()
+
+    done = {}
+    if args.resume or args.report_only:
+        for s in specs:
+            p = run_dir / f"{_run_name(s)}.json"
+            if p.exists():
+                done[_run_name(s)] = json.loads(p.read_text())
+    todo = [s for s in specs if _run_name(s) not in done] if not args.report_only else []
+    print(f"addition/{args.preset}: {len(specs)} runs ({len(done)} already done), device {device}, "
+          f"train {meta['train_lengths']} test {meta['test_lengths']} digits, out {out}", flush=True)
+    jobs = meta['config'].get('jobs', 1)
+    if jobs <= 1 or len(todo) <= 1:
+        from evals.addition.train import run
+        for spec in todo:
+            rec = run(spec, progress=progress)
+            (run_dir / f"{_run_name(spec)}.json").write_text(json.dumps(rec, default=str))
+            done[_run_name(spec)] = rec
+            _print_status(rec)
+    else:
+        for rec in run_parallel(todo, run_dir, jobs, progress):
+            done[f"{rec['model']}-s{rec['seed']}"] = rec
+    runs = [done[_run_name(s)] for s in specs if _run_name(s) in done]
+    meta['wall_time_s'] = time.perf_counter() - start
+    if args.report_only and (out / 'results.json').exists():   # keep the wall time of the runs themselves
+        meta['wall_time_s'] = json.loads((out / 'results.json').read_text())['meta'].get('wall_time_s')
+    paths = write_report(out, runs, meta)
+    print('\n' + paths.pop('table'))
+    print(f"wall time {time.perf_counter() - start:.0f} s; wrote " + ', '.join(paths.values()))
+    return 0 if all(r.get('status') in ('ok', 'unavailable') for r in runs) else 1
+
+
+def _print_status(rec: dict) -> None:
+    if rec.get('status') == 'ok':
+        acc = rec['accuracy']
+        print(f"  {rec['model']} seed {rec['seed']}: ok, {rec['params']:,} params, {rec['train_time_s']:.0f} s, "
+              f"loss {rec['final_loss']:.3f}, acc " + ' '.join(f"{k}:{100 * v:.0f}" for k, v in acc.items()),
+              flush=True)
+    else:
+        print(f"  {rec['model']} seed {rec['seed']}: SKIPPED ({rec.get('status')}): {rec.get('reason')}", flush=True)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

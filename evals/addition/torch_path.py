@@ -1,0 +1,215 @@
+# -*- coding: utf-8 -*-
+"""Pure-PyTorch stand-ins for the Triton pieces the compared models use.
+
+Why: on a CPU, Triton runs only through its interpreter, which takes ~25 s for one training step of a
+32-wide 2-layer model (mostly fla's ShortConvolution); and two fla recurrences have no usable training
+path on some machines (fla's GatedDeltaNet: NaN under the interpreter, chunk backward refused on Hopper
+with Triton < 3.7.1 (#640), no fused_recurrent backward at all). Each stand-in below computes the same
+function as the module/op it replaces (same formula, fp32 math, autograd gradients), so the models
+and their parameters are unchanged; tests/test_addition.py checks them against fla where fla runs.
+
+`enable(parts)` patches process-wide and is idempotent; call it before building models. `disable()`
+undoes it (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+PARTS = ('conv', 'norm', 'falcon', 'deltanet', 'gdn')
+_enabled: set = set()
+_saved: list = []   # (object, attribute, original value), in patching order
+
+
+def _set(obj, attr: str, value) -> None:
+    _saved.append((obj, attr, getattr(obj, attr)))
+    setattr(obj, attr, value)
+
+
+def disable() -> None:
+    """Undoes every patch of `enable` (models built meanwhile keep e.g. Mamba2's torch activation)."""
+    while _saved:
+        obj, attr, value = _saved.pop()
+        setattr(obj, attr, value)
+    _enabled.clear()
+
+
+def l2norm_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # fla's l2norm: x / sqrt(sum x^2 + eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rmsnorm_ref(x, weight, bias, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y
+
+
+def short_conv_ref(conv, x: torch.Tensor, mask=None) -> torch.Tensor:
+    """fla ShortConvolution without cache: depthwise causal conv over time, then the activation."""
+    if mask is not None:
+        x = x * mask.unsqueeze(-1)
+    T = x.shape[1]
+    y = F.conv1d(x.transpose(1, 2), conv.weight, conv.bias, padding=conv.kernel_size[0] - 1,
+                 groups=conv.hidden_size)[..., :T].transpose(1, 2)
+    return F.silu(y) if conv.activation is not None else y
+
+
+def causal_conv1d_ref(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                      activation=None, cu_seqlens=None, _orig=None, **kwargs):
+    """fla's functional causal_conv1d ([B, T, D] input, [D, W] weight) without states / varlen."""
+    if residual is not None or initial_state is not None or output_final_state or cu_seqlens is not None:
+        return _orig(x=x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+                     output_final_state=output_final_state, activation=activation, cu_seqlens=cu_seqlens, **kwargs)
+    T = x.shape[1]
+    y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1,
+                 groups=weight.shape[0])[..., :T].transpose(1, 2)
+    return (F.silu(y) if activation in ('silu', 'swish') else y), None
+
+
+def delta_rule_ref(q, k, v, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                   use_qk_l2norm_in_kernel=False, scale=None, **kwargs):
+    """fla's (fused_recurrent|chunk)_delta_rule on [B, T, H, D] inputs through fla's own naive recurrence."""
+    from fla.ops.delta_rule.naive import delta_rule_recurrence
+    if cu_seqlens is not None:
+        raise NotImplementedError("torch reference delta rule: cu_seqlens (padding masks) not supported")
+    if scale is not None and scale != q.shape[-1] ** -0.5:
+        raise NotImplementedError("torch reference delta rule: only the default scale")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    o, s = delta_rule_recurrence(*(t.transpose(1, 2) for t in (q, k, v, beta)), initial_state=initial_state,
+                                 output_final_state=output_final_state)
+    return o.transpose(1, 2).to(v.dtype), s
+
+
+def gated_delta_rule_ref(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                         cu_seqlens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None, scale=None, **kwargs):
+    """fla 0.6.0's chunk/fused_recurrent_gated_delta_rule (the options fla's GatedDeltaNet layer passes):
+    in-kernel l2norm of q/k, beta = sigmoid(b) (x2 with allow_neg_eigval), log-decay
+    g = -exp(A_log) * softplus(a + dt_bias) (fla's `naive_gdn_gate`), then fla's naive recurrence
+    (fla's PyTorch references: autograd gives the gradients)."""
+    from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    if cu_seqlens is not None:
+        raise NotImplementedError("torch reference gated delta rule: cu_seqlens (padding masks) not supported")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
+    if allow_neg_eigval:
+        beta = beta * 2
+    if use_gate_in_kernel:
+        g = naive_gdn_gate(g, A_log, dt_bias)
+    HV, H = v.shape[2], q.shape[2]
+    if HV != H:   # grouped value heads: value head hv reads key head hv // (HV // H)
+        q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    o, s = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state)
+    if s is not None and state_v_first:
+        s = s.transpose(-1, -2)
+    return o.to(v.dtype), s
+
+
+def naive_falcon_batched(q, k, v, beta, lam=None, *, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, **kwargs):
+    """`naive_recurrent_falcon` with the batch folded into the heads when every sequence starts fresh.
+
+    The reference loops over sequences, then tokens; heads and sequences are independent, and with H*B
+    key heads and HV*B value heads value head b*HV + h*G + g still reads key head b*H + h (= its index // G),
+    so one B=1 call over B*H heads is the same computation, B times fewer python steps.
+    """
+    from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        return naive_recurrent_falcon(q, k, v, beta, lam, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+
+    def fold(t):   # [B, T, h, ...] -> [1, T, B*h, ...]
+        return None if t is None else t.transpose(0, 1).reshape(1, T, B * t.shape[2], *t.shape[3:])
+    o, _ = naive_recurrent_falcon(fold(q), fold(k), fold(v), fold(beta), fold(lam), **kwargs)
+    return o.reshape(T, B, HV, -1).transpose(0, 1), None
+
+
+def enable(parts=PARTS) -> set:
+    """Patches the given parts (see PARTS) process-wide; returns the set now enabled."""
+    import fla.layers.delta_net as fla_delta_net
+    import fla.layers.gated_deltanet as fla_gdn
+    import fla.layers.mamba2 as fla_mamba2
+    import fla.modules.mlp as fla_mlp
+    from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
+    from fla.modules.norm.layernorm_gated import RMSNormGated, rms_norm_ref
+
+    import fla_falcon.layers.falcon_net as falcon_layer
+
+    for part in parts:
+        if part not in PARTS:
+            raise ValueError(f"parts: unknown part {part!r}, expected some of {PARTS}")
+        if part in _enabled:
+            continue
+        if part == 'conv':
+            orig_conv = ShortConvolution.forward
+
+            def conv_forward(self, x, residual=None, mask=None, cache=None, output_final_state=False,
+                             cu_seqlens=None, _orig=orig_conv, **kwargs):
+                if residual is None and cache is None and not output_final_state and cu_seqlens is None:
+                    return short_conv_ref(self, x, mask), None
+                return _orig(self, x, residual=residual, mask=mask, cache=cache,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+            _set(ShortConvolution, 'forward', conv_forward)
+            # GatedDeltaNet fuses its q/k/v convs into one call of the functional conv
+            _set(fla_gdn, 'causal_conv1d', functools.partial(causal_conv1d_ref, _orig=fla_gdn.causal_conv1d))
+        elif part == 'norm':
+            orig_gated = FusedRMSNormGated.forward
+
+            def rms_forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+                # fla's rms_norm: the residual stream is x + residual (fp32 if residual_in_fp32), normed
+                res = x if residual is None else x + residual
+                if residual_in_fp32:
+                    res = res.float()
+                y = rmsnorm_ref(res, self.weight, self.bias, self.eps).to(x.dtype)
+                return (y, res) if prenorm else y
+
+            def gated_forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False, _orig=orig_gated):
+                if residual is None and not prenorm:
+                    y = rmsnorm_ref(x, self.weight, self.bias, self.eps)
+                    gf = g.float()
+                    y = y * (torch.sigmoid(gf) if self.activation == 'sigmoid' else F.silu(gf))
+                    return y.to(x.dtype)
+                return _orig(self, x, g, residual, prenorm, residual_in_fp32)
+
+            def mamba_gated_forward(self, x, z=None):
+                return rms_norm_ref(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
+                                    norm_before_gate=self.norm_before_gate)
+            _set(RMSNorm, 'forward', rms_forward)
+            _set(FusedRMSNormGated, 'forward', gated_forward)
+            _set(RMSNormGated, 'forward', mamba_gated_forward)
+            # Mamba2 takes fla's Triton swish from ACT2FN when built
+            _set(fla_mamba2, 'ACT2FN', {**fla_mamba2.ACT2FN, 'silu': F.silu, 'swish': F.silu})
+            # GatedMLP's unfused path still calls fla's Triton swiglu
+            _set(fla_mlp, 'swiglu', lambda x, y: (F.silu(x.float()) * y.float()).to(x.dtype))
+        elif part == 'falcon':
+            # the layer picks chunk (training) / fused_recurrent (decoding): route every call to the
+            # PyTorch definition of the rule, naive_recurrent_falcon (autograd gradients)
+            def run_naive(mode, rule, *args, **kwargs):
+                return naive_falcon_batched(*args, rule=rule, **kwargs)
+            _set(falcon_layer, 'run_falcon_kernel', run_naive)
+        elif part == 'deltanet':
+            _set(fla_delta_net, 'fused_recurrent_delta_rule', delta_rule_ref)
+            _set(fla_delta_net, 'chunk_delta_rule', delta_rule_ref)
+        elif part == 'gdn':
+            _set(fla_gdn, 'chunk_gated_delta_rule', gated_delta_rule_ref)
+            _set(fla_gdn, 'fused_recurrent_gated_delta_rule', gated_delta_rule_ref)
+        _enabled.add(part)
+    return set(_enabled)

@@ -1,0 +1,103 @@
+# -*- coding: utf-8 -*-
+"""One run: build a model, train it on in-distribution lengths, measure exact match per operand length."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+from tqdm.auto import tqdm
+
+from evals.addition.data import answer_loss, exact_match, make_batch, train_batch
+from evals.addition.models import Unavailable, build_model
+
+EVAL_SEED = 1_000_003   # the test sets: the same examples for every model and seed
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+@torch.no_grad()
+def evaluate(model, lengths, samples: int, batch_size: int, device: str) -> dict:
+    """{n: exact-match accuracy over `samples` examples with n-digit operands} (fixed test sets)."""
+    model.eval()
+    acc = {}
+    for n in lengths:
+        gen = torch.Generator().manual_seed(EVAL_SEED + n)
+        correct = total = 0
+        while total < samples:
+            b = make_batch([n] * min(batch_size, samples - total), gen).to(device)
+            logits = model(input_ids=b.input_ids, use_cache=False).logits
+            correct += int(exact_match(logits, b.targets).sum())
+            total += b.input_ids.shape[0]
+        acc[int(n)] = correct / total
+    model.train()
+    return acc
+
+
+def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
+    """Trains and evaluates one (model, seed). `spec`: model, seed, device, kernels, size (dict), train_min,
+    train_max, test_min, test_max, steps, batch_size, lr, warmup, weight_decay, eval_samples,
+    eval_batch_size, threads. Returns a JSON-able record (status 'ok', 'unavailable' or 'failed')."""
+    device = spec['device']
+    record = dict(model=spec['model'], seed=spec['seed'], device=device, kernels=spec['kernels'])
+    if spec.get('threads'):
+        torch.set_num_threads(int(spec['threads']))
+    torch.manual_seed(spec['seed'])
+    size = dict(spec['size'], max_len=3 * spec['test_max'] + 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')   # kernel fallbacks, fla's CPU notices
+            model, info = build_model(spec['model'], size, device=device, kernels=spec['kernels'])
+    except Unavailable as e:
+        return dict(record, status='unavailable', reason=str(e))
+    record.update(status='ok', route=info['route'], model_class=info['model_class'], params=info['params'],
+                  config=info['config'])
+    # weight decay on matrices only (not norms, biases, gate biases marked _no_weight_decay)
+    decayed = {id(p) for p in model.parameters() if p.dim() >= 2 and not getattr(p, '_no_weight_decay', False)}
+    groups = [dict(params=[p for p in model.parameters() if id(p) in decayed], weight_decay=spec['weight_decay']),
+              dict(params=[p for p in model.parameters() if id(p) not in decayed], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=spec['lr'], betas=(0.9, 0.98))
+    gen = torch.Generator().manual_seed(spec['seed'])
+    steps = spec['steps']
+    losses = []
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc=f"{spec['model']} s{spec['seed']}", position=position, leave=True,
+               disable=not progress, dynamic_ncols=True, mininterval=1.0)
+    model.train()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            for step in bar:
+                for g in opt.param_groups:
+                    g['lr'] = lr_at(step, steps, spec['lr'], spec['warmup'])
+                b = train_batch(spec['batch_size'], spec['train_min'], spec['train_max'], gen).to(device)
+                loss = answer_loss(model(input_ids=b.input_ids, use_cache=False).logits, b.targets)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss at step {step}")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                losses.append(loss.item())
+                if step % 20 == 0 or step == steps - 1:
+                    bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            train_time = time.perf_counter() - start
+            lengths = list(range(spec['train_min'], spec['test_max'] + 1))
+            acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device)
+    except (FloatingPointError, RuntimeError) as e:
+        bar.close()
+        return dict(record, status='failed', reason=f"{type(e).__name__}: {e}",
+                    train_time_s=time.perf_counter() - start)
+    bar.close()
+    tail = losses[-max(1, steps // 20):]
+    return dict(record, train_time_s=train_time, eval_time_s=time.perf_counter() - start - train_time,
+                final_loss=sum(tail) / len(tail), accuracy={str(n): a for n, a in acc.items()},
+                train_lengths=[spec['train_min'], spec['train_max']], test_lengths=[spec['test_min'], spec['test_max']])

@@ -1,0 +1,262 @@
+# -*- coding: utf-8 -*-
+"""evals/addition: data format, loss mask, exact match, report writing, the PyTorch stand-ins of
+evals.addition.torch_path against what they replace, and one training step of a tiny Falcon model."""
+
+import json
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from evals.addition import torch_path
+from evals.addition.data import (
+    IGNORE,
+    TOKENIZER,
+    answer_loss,
+    exact_match,
+    make_batch,
+    sample_operand,
+    train_batch,
+)
+from evals.addition.models import Unavailable, build_model, resolve_route
+from evals.addition.report import summarize, write_report
+
+TOK = TOKENIZER
+
+
+@pytest.fixture
+def restore_patches():
+    yield
+    torch_path.disable()
+
+
+def _rel_err(ref, x):
+    return ((ref.float() - x.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+def test_encode_decode_round_trip_and_reversal():
+    seq, start = TOK.encode(907, 95)          # 907 + 95 = 1002
+    d = lambda x: TOK.digit0 + x  # noqa: E731
+    assert seq == [TOK.bos, d(7), d(0), d(9), TOK.plus, d(5), d(9), TOK.eq, d(2), d(0), d(0), d(1), TOK.eos]
+    assert start == 8 and seq[start:] == TOK.digits(1002) + [TOK.eos]
+    assert TOK.decode(seq) == (907, 95, 1002)
+    assert TOK.decode_number(TOK.digits(120)) == 120        # trailing zero of the reversed form kept
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 13):
+        for _ in range(20):
+            a, b = sample_operand(n, gen), sample_operand(n, gen)
+            assert len(str(a)) == n and len(str(b)) == n
+            assert TOK.decode(TOK.encode(a, b)[0]) == (a, b, a + b)
+    with pytest.raises(ValueError, match='n'):
+        sample_operand(0, gen)
+
+
+def test_batch_targets_cover_only_the_answer():
+    gen = torch.Generator().manual_seed(1)
+    b = make_batch([1, 3, 7], gen)
+    assert b.input_ids.shape[0] == 3 and b.lengths.tolist() == [1, 3, 7]
+    for ids, tgt in zip(b.input_ids.tolist(), b.targets.tolist()):
+        eq = ids.index(TOK.eq)
+        eos = ids.index(TOK.eos)
+        answer = [i for i, t in enumerate(tgt) if t != IGNORE]
+        assert answer == list(range(eq + 1, eos + 1))           # the answer digits and <eos>, nothing else
+        assert [tgt[i] for i in answer] == ids[eq + 1:eos + 1]
+        assert all(t == TOK.pad for t in ids[eos + 1:])          # right padding
+        a, b_, c = TOK.decode(ids[:eos + 1])
+        assert a + b_ == c
+    tb = train_batch(16, 2, 4, gen)
+    assert tb.lengths.min() >= 2 and tb.lengths.max() <= 4
+
+
+def test_loss_mask_answer_tokens_only():
+    gen = torch.Generator().manual_seed(2)
+    b = make_batch([2, 4], gen)
+    B, T = b.input_ids.shape
+    logits = torch.randn(B, T, TOK.vocab_size)
+    # a perfect prediction of every answer token (from the position before it) gives ~0 loss, whatever
+    # the logits elsewhere
+    pos = (b.targets[:, 1:] != IGNORE)
+    tgt = b.targets[:, 1:].clamp_min(0)
+    logits[:, :-1][pos] = -30.0
+    logits[:, :-1][pos] = logits[:, :-1][pos].scatter(-1, tgt[pos][:, None], 30.0)
+    assert answer_loss(logits, b.targets).item() < 1e-6
+    other = logits.clone()
+    other[:, :-1][~pos] = torch.randn_like(other[:, :-1][~pos]) * 10
+    other[:, -1] = 5.0
+    assert answer_loss(other, b.targets).item() == pytest.approx(answer_loss(logits, b.targets).item(), abs=1e-6)
+    # and the loss does see the answer positions
+    wrong = logits.clone()
+    wrong[:, :-1][pos] = 0.0
+    assert answer_loss(wrong, b.targets).item() == pytest.approx(torch.log(torch.tensor(16.0)).item(), rel=1e-5)
+
+
+def test_exact_match_hand_made():
+    #              bos  a   +   b   =  c0  c1 eos pad
+    ids = torch.tensor([[1, 6, 3, 7, 4, 8, 2, 0]])       # 1 + 2 = 3: answer '3' <eos>
+    tgt = torch.full_like(ids, IGNORE)
+    tgt[0, 5:7] = ids[0, 5:7]
+    targets = torch.cat([tgt, tgt, tgt, tgt])
+
+    def logits_from(pred_next):   # pred_next[t] = the argmax at position t (predicting t + 1)
+        lg = torch.zeros(len(pred_next), 8, 16)
+        for i, p in enumerate(pred_next):
+            lg[i, torch.arange(8), torch.tensor(p)] = 1.0
+        return lg
+    right = [0, 0, 0, 0, 8, 2, 0, 0]
+    wrong_digit = [0, 0, 0, 0, 9, 2, 0, 0]
+    no_eos = [0, 0, 0, 0, 8, 5, 0, 0]       # answer digits right but does not stop
+    junk_elsewhere = [9, 9, 9, 9, 8, 2, 9, 9]
+    em = exact_match(logits_from([right, wrong_digit, no_eos, junk_elsewhere]), targets)
+    assert em.tolist() == [True, False, False, True]
+
+
+# -------------------------------------------------------------------------------------------- report
+
+def _fake_run(model, seed, accs, status='ok'):
+    if status != 'ok':
+        return dict(model=model, seed=seed, status=status, reason='unavailable: test reason')
+    return dict(model=model, seed=seed, status='ok', params=1234, route='torch', train_time_s=1.5, final_loss=0.1,
+                accuracy={str(n): a for n, a in accs.items()}, config={})
+
+
+def test_report_writing(tmp_path):
+    runs = [_fake_run('falcon1a', 0, {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.0}),
+            _fake_run('falcon1a', 1, {1: 1.0, 2: 0.8, 3: 0.7, 4: 0.2}),
+            _fake_run('gdn', 0, None, status='unavailable')]
+    rows = summarize(runs, [1, 2], [3, 4])
+    r = rows[0]
+    assert r['id'][0] == pytest.approx(95.0) and r['ood'][0] == pytest.approx(35.0)
+    assert r['longest'] == pytest.approx((10.0, (2 * 10.0 ** 2) ** 0.5))
+    assert r['ood'][1] == pytest.approx(((25 - 35) ** 2 + (45 - 35) ** 2) ** 0.5)
+    meta = dict(preset='tiny', train_lengths=[1, 2], test_lengths=[3, 4])
+    paths = write_report(tmp_path, runs, meta)
+    data = json.loads((tmp_path / 'results.json').read_text())
+    assert len(data['runs']) == 3 and data['summary'][0]['model'] == 'falcon1a'
+    assert data['summary'][1]['status'] == 'unavailable'
+    table = (tmp_path / 'results.md').read_text()
+    assert '| falcon1a | 1,234 | 2 | 95.0 ± 7.1 | 35.0 ± 14.1 | 10.0 ± 14.1 |' in table
+    assert 'unavailable: test reason' in table and 'smoke test' in table
+    assert (tmp_path / 'accuracy_vs_length.png').stat().st_size > 1000
+    assert paths['plot'].endswith('.png')
+
+
+# ------------------------------------------------------------------------------ torch stand-ins vs fla
+
+def test_torch_conv_and_norms_match_fla(restore_patches):
+    from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
+    torch.manual_seed(0)
+    import fla.layers.mamba2 as fla_mamba2
+    import fla.modules.mlp as fla_mlp
+    from fla.modules.norm.layernorm_gated import RMSNormGated
+    conv = ShortConvolution(hidden_size=8, kernel_size=4, activation='silu').to(DEVICE)
+    mnorm = RMSNormGated(8, eps=1e-5, group_size=4, norm_before_gate=False).to(DEVICE)
+    norm = RMSNorm(8, eps=1e-5).to(DEVICE)
+    gnorm = FusedRMSNormGated(8, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        gnorm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 7, 8, device=DEVICE, requires_grad=True)
+    g = torch.randn(2, 7, 8, device=DEVICE, requires_grad=True)
+
+    def outputs():
+        y = conv(x)[0]
+        out = y + norm(y) + gnorm(y, g) + mnorm(y, g) + fla_mlp.swiglu(y, g) + fla_mamba2.ACT2FN['silu'](y)
+        y2, res = norm(y, residual=x, prenorm=True, residual_in_fp32=True)   # Mamba-2's block norm
+        out = out + y2 + res
+        grads = torch.autograd.grad(out.pow(2).sum(), [x, g, conv.weight, norm.weight, gnorm.weight])
+        return [out, *grads]
+    ref = outputs()
+    torch_path.enable(['conv', 'norm'])
+    got = outputs()
+    for name, a, b in zip(['out', 'dx', 'dg', 'dconv', 'dnorm', 'dgnorm'], ref, got):
+        assert _rel_err(a, b) < 1e-4, name
+
+
+@pytest.mark.parametrize('rule', ['falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a'])
+def test_batched_naive_falcon_matches_naive(rule):
+    from fla_falcon.ops import naive_recurrent_falcon
+    from fla_falcon.ops.falcon.utils import rule_info
+    torch.manual_seed(0)
+    B, T, H, G, K, V = 3, 6, 2, 2, 4, 3
+    HV = H * G
+    window = 3 if rule_info(rule)[2] else 1
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=torch.float64), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, HV, V, dtype=torch.float64)
+    beta = torch.rand(B, T, HV, *((V,) if rule_info(rule)[1] else ()), dtype=torch.float64) * 1.5
+    lam = torch.rand(B, T, HV, dtype=torch.float64) * 0.1
+    inputs = [t.requires_grad_() for t in (q, k, v, beta, lam)]
+    kw = dict(rule=rule, window=window, scale=1.0)
+    ref, _ = naive_recurrent_falcon(*inputs, **kw)
+    got, _ = torch_path.naive_falcon_batched(*inputs, **kw)
+    assert _rel_err(ref, got) < 1e-10
+    do = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(ref, inputs, do), torch.autograd.grad(got, inputs, do)):
+        assert _rel_err(a, b) < 1e-10
+
+
+def test_torch_delta_rule_matches_fla():
+    from fla.ops.delta_rule import fused_recurrent_delta_rule
+    torch.manual_seed(0)
+    B, T, H, K, V = 1, 5, 2, 8, 8
+    q, k, v = (torch.randn(B, T, H, d, device=DEVICE) for d in (K, K, V))
+    beta = torch.rand(B, T, H, device=DEVICE)
+    inputs = [t.requires_grad_() for t in (q, k, v, beta)]
+    ref, _ = fused_recurrent_delta_rule(*inputs, use_qk_l2norm_in_kernel=True)
+    got, _ = torch_path.delta_rule_ref(*inputs, use_qk_l2norm_in_kernel=True)
+    assert _rel_err(ref, got) < 1e-4
+    do = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(ref, inputs, do), torch.autograd.grad(got, inputs, do)):
+        assert _rel_err(a, b) < 1e-3
+
+
+def test_torch_gated_delta_rule_matches_fla_forward():
+    # forward only: fla's fused_recurrent_gated_delta_rule has no backward, and on Hopper + Triton < 3.7.1
+    # fla refuses the chunk backward (#640); the reference's gradients are autograd's through fla's own
+    # naive recurrence and naive_gdn_gate
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    torch.manual_seed(0)
+    B, T, H, K, V = (2, 100, 2, 64, 64) if DEVICE == 'cuda' else (1, 5, 2, 8, 8)
+    q, k, v = (torch.randn(B, T, H, d, device=DEVICE) for d in (K, K, V))
+    a, b = torch.randn(B, T, H, device=DEVICE), torch.randn(B, T, H, device=DEVICE)
+    A_log, dt_bias = torch.randn(H, device=DEVICE) * 0.5, torch.randn(H, device=DEVICE) * 0.5
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+              A_log=A_log, dt_bias=dt_bias, state_v_first=True)
+    ops = [fused_recurrent_gated_delta_rule] + ([chunk_gated_delta_rule] if DEVICE == 'cuda' else [])
+    with torch.no_grad():
+        got, _ = torch_path.gated_delta_rule_ref(q, k, v, g=a, beta=b, **kw)
+        for op in ops:
+            ref, _ = op(q, k, v, g=a, beta=b, **kw)
+            assert _rel_err(ref, got) < 2e-3, op.__name__
+
+
+# ------------------------------------------------------------------------------------ models, training
+
+def test_routes():
+    assert resolve_route('falcon1', 'auto', 'cpu') == 'torch'
+    assert resolve_route('transformer', 'torch', 'cpu') == 'torch'
+    with pytest.raises(Unavailable, match='unavailable'):
+        resolve_route('gdn', 'fla', 'cpu')
+    with pytest.raises(ValueError, match='kernels'):
+        resolve_route('gdn', 'triton', 'cpu')
+
+
+def test_one_training_step_tiny_falcon(restore_patches):
+    from evals.addition.train import run
+    torch.manual_seed(0)
+    size = dict(hidden=16, layers=1, heads=2, intermediate=32)
+    model, info = build_model('falcon1a', size, device=DEVICE, kernels='torch' if DEVICE == 'cpu' else 'auto')
+    assert info['model_class'] == 'FalconNetForCausalLM' and info['params'] > 0
+    b = train_batch(4, 1, 3, torch.Generator().manual_seed(0)).to(DEVICE)
+    loss = answer_loss(model(input_ids=b.input_ids, use_cache=False).logits, b.targets)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert sum(g.abs().sum() for g in grads) > 0
+    spec = dict(model='falcon1a-noshift', seed=0, device=DEVICE, kernels='auto', size=size, train_min=1, train_max=2,
+                test_min=3, test_max=3, steps=2, batch_size=4, lr=1e-3, warmup=1, weight_decay=0.0,
+                eval_samples=3, eval_batch_size=3)
+    rec = run(spec, progress=False)
+    assert rec['status'] == 'ok', rec.get('reason')
+    assert set(rec['accuracy']) == {'1', '2', '3'} and rec['config']['shift'] is False
