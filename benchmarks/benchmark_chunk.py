@@ -88,16 +88,39 @@ def bench(fn, leaves, backward):
     return do_bench(run, warmup=25, rep=100)
 
 
+def profile_kernels(fn, leaves, iters: int = 5) -> list[tuple[str, float]]:
+    """[(kernel name, device microseconds per forward+backward)], largest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        o = fn()
+        o.backward(torch.ones_like(o))
+        for t in leaves:
+            t.grad = None
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--shapes', nargs='+', default=DEFAULT_SHAPES, help='B,T,H,K,V (default: %(default)s)')
     parser.add_argument('--window', type=int, default=4, help='window B of falcon3a (default: %(default)s)')
     parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results'),
                         help='output folder for chunk.json and chunk.md (default: %(default)s)')
+    parser.add_argument('--profile', nargs='*', default=None, metavar='OP',
+                        help='also write chunk_profile.md: per-kernel device time of forward+backward for these ops '
+                             '(default when given bare: every op) at the first shape')
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit('benchmark_chunk.py needs a CUDA GPU (the Triton kernels are timed on the device); none found.')
     lifted = lift_fla_guard()
+    os.makedirs(args.out, exist_ok=True)
     results = []
     for spec in args.shapes:
         B, T, H, K, V = (int(x) for x in spec.split(','))
@@ -110,6 +133,17 @@ def main(argv=None):
         row['ratio'] = {rule: {m: row['ms'][rule][m] / row['ms'][base][m] for m in ('fwd', 'fwd+bwd')}
                         for rule, (base, _) in TARGETS.items() if rule in row['ms']}
         results.append(row)
+        if args.profile is not None and spec == args.shapes[0]:
+            prof_lines = [f"# Kernel times, forward+backward, (B, T, H, K, V) = {spec} (us per call, torch.profiler)", '']
+            for name, fn in cases.items():
+                if args.profile and name not in args.profile:
+                    continue
+                rows = profile_kernels(fn, leaves)
+                prof_lines += [f"## {name}: {sum(t for _, t in rows):.0f} us", '', '| kernel | us |', '|---|---:|']
+                prof_lines += [f"| {k_[:90]} | {t:.1f} |" for k_, t in rows[:25]] + ['']
+            with open(os.path.join(args.out, 'chunk_profile.md'), 'w') as f:
+                f.write('\n'.join(prof_lines))
+            print('\n'.join(prof_lines), flush=True)
         del cases, leaves
         torch.cuda.empty_cache()
     meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,

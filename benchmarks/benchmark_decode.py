@@ -12,6 +12,10 @@ Target (issue 3): falcon/fla <= 1.0 for falcon1/1a/2/2a at B = 64 and <= 1.5 for
 
     python benchmarks/benchmark_decode.py                       # B in {1, 64}, H=16, K=V=128, bf16
     python benchmarks/benchmark_decode.py --batch 1 8 64 --window 4 --rules falcon1 falcon3
+    python benchmarks/benchmark_decode.py --sweep 8,1 16,2 32,4 --rules falcon3 falcon3a   # tune (BV, warps)
+
+``--sweep`` times the forward kernel under each (BV, num_warps) given (the values that
+``FLA_FALCON_FWD_CONFIG`` sets) and writes ``decode_sweep.json`` / ``decode_sweep.md`` instead.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument('--dtype', default='bf16', choices=sorted(DTYPES))
     p.add_argument('--warmup', type=int, default=100, help='do_bench warmup (ms)')
     p.add_argument('--rep', type=int, default=500, help='do_bench repetitions (ms)')
+    p.add_argument('--sweep', nargs='+', default=None, metavar='BV,WARPS',
+                   help='time each forward (BV, num_warps) config instead of the default one')
     p.add_argument('--no-cudagraph', action='store_true', help='skip the CUDA-graph (device-only) timing')
     p.add_argument('--out', default=str(Path(__file__).resolve().parent / 'results'),
                    help='folder for decode.json and decode.md')
@@ -55,7 +61,9 @@ def main(argv=None):
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     from fla_falcon.ops.falcon import FalconState, fused_recurrent_falcon
+    from fla_falcon.ops.falcon import fused_recurrent as fr
     from fla_falcon.ops.falcon.utils import rule_info
+    configs = [None] if args.sweep is None else [tuple(int(x) for x in c.split(',')) for c in args.sweep]
 
     dev, dtype = 'cuda', DTYPES[args.dtype]
     H, D = args.heads, args.head_dim
@@ -101,11 +109,16 @@ def main(argv=None):
                 return fused_recurrent_falcon(q, k, v, beta, lam, rule=rule, window=W, initial_state=state,
                                               output_final_state=True)
 
-            t = bench(falcon_step)
-            ratio = {f"ratio_{k_.replace('_us', '')}": t[k_] / t_fla[k_] for k_ in t}
-            rows.append(dict(op='fused_recurrent_falcon', rule=rule, window=W, B=B, **t, **ratio))
-            print(f"B={B:3d} {rule:9s} W={W}: " + ', '.join(f"{k_}={v_:.3f}" for k_, v_ in {**t, **ratio}.items()),
-                  flush=True)
+            for cfg in configs:
+                fr.FWD_CONFIG = cfg   # None: the kernel's default choice
+                t = bench(falcon_step)
+                ratio = {f"ratio_{k_.replace('_us', '')}": t[k_] / t_fla[k_] for k_ in t}
+                used = cfg or fr._fwd_config(D, D, W)
+                rows.append(dict(op='fused_recurrent_falcon', rule=rule, window=W, B=B, BV=used[0],
+                                 num_warps=used[1], **t, **ratio))
+                print(f"B={B:3d} {rule:9s} W={W} BV={used[0]} warps={used[1]}: "
+                      + ', '.join(f"{k_}={v_:.3f}" for k_, v_ in {**t, **ratio}.items()), flush=True)
+            fr.FWD_CONFIG = None
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,22 +127,24 @@ def main(argv=None):
                 note='T=1 decode step with an initial state and output_final_state=True, torch.no_grad; '
                      'do_bench = triton.testing.do_bench (L2 flushed before each call), '
                      'cudagraph = triton.testing.do_bench_cudagraph (device time, no host overhead)')
-    (out / 'decode.json').write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
+    stem = 'decode' if args.sweep is None else 'decode_sweep'
+    (out / f'{stem}.json').write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
     cols = ['do_bench'] + ([] if args.no_cudagraph else ['cudagraph'])
     lines = [f"# One-token decode step ({meta['device']}, H={H}, K=V={D}, {args.dtype}, falcon3/3a window "
              f"{args.window})", '',
              'Time per call in microseconds; ratio = falcon / fla `fused_recurrent_gated_delta_rule` at the same B. '
              'Target: <= 1.0 for falcon1/1a/2/2a at B=64, <= 1.5 for falcon3/3a.', '',
-             '| B | op | ' + ' | '.join(f'{c} (us) | ratio {c}' for c in cols) + ' |',
-             '|---|---|' + '---|---|' * len(cols)]
+             '| B | op | BV, warps | ' + ' | '.join(f'{c} (us) | ratio {c}' for c in cols) + ' |',
+             '|---|---|---|' + '---|---|' * len(cols)]
     for r in rows:
         cells = []
         for c in cols:
             cells += [f"{r[c + '_us']:.2f}", f"{r['ratio_' + c]:.3f}" if 'ratio_' + c in r else '1']
         name = r['rule'] if r['op'] == 'fused_recurrent_falcon' else 'fla gated delta rule'
-        lines.append(f"| {r['B']} | {name} | " + ' | '.join(cells) + ' |')
-    (out / 'decode.md').write_text('\n'.join(lines) + '\n')
-    print(f"wrote {out / 'decode.json'} and {out / 'decode.md'}")
+        cfg = f"{r['BV']}, {r['num_warps']}" if 'BV' in r else ''
+        lines.append(f"| {r['B']} | {name} | {cfg} | " + ' | '.join(cells) + ' |')
+    (out / f'{stem}.md').write_text('\n'.join(lines) + '\n')
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
 
 
 if __name__ == '__main__':
