@@ -227,7 +227,7 @@ def _prep_fwd(k, v, beta, lam, last_k, count, G, eta, A, W, U,
             o_s = tl.arange(0, BT)
             b_Gx = b_G - b_g
             b_xx = tl.dot(b_xl, tl.trans(b_xl))
-            m_l = o_t[:, None] > (i_t * BT + o_s)[None, :]
+            m_l = (o_t[:, None] > (i_t * BT + o_s)[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
             # -L: minus the strictly lower part, every exponent <= 0
             b_L = -tl.where(m_l, b_eta[:, None] * tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)) * b_xx, 0.)
             # (I + L)^-1: forward substitution inside the 16x16 diagonal blocks (their row i together),
@@ -355,7 +355,8 @@ def _fwd_o(q, k, v, last_k, count, G, eta, vn, h, o, scale,
         b_u = (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta[:, None]).to(q.dtype.element_ty)
     b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)[:, None]
     b_s = tl.dot(b_q, tl.trans(b_x))
-    m_s = o_t[:, None] >= o_t[None, :]
+    # real rows t only: a padded row reads G = 0 and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
+    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
     b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
     b_o += tl.dot(b_s.to(b_q.dtype), b_u.to(b_q.dtype))
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
@@ -386,7 +387,7 @@ def _bwd_dv_local(q, k, last_k, count, G, do, du, scale,
     b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_st = tl.dot(b_x, tl.trans(b_q))           # [s, t]
-    m_s = o_t[:, None] <= o_t[None, :]
+    m_s = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]   # real t only (see _fwd_o)
     b_st = tl.where(m_s, b_st * tl.exp(tl.where(m_s, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
     m_tv = m_t[:, None] & (o_v < V)[None, :]
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
@@ -518,9 +519,9 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
         b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
         b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-    m_s = o_t[:, None] >= o_t[None, :]
+    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
-    m_st = o_t[:, None] <= o_t[None, :]
+    m_st = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]
     b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
     b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
@@ -599,7 +600,7 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
         b_deta += tl.sum(b_Atdu * b_v, 1)
     # A = (I + L)^-1: dL = -A^T dA A^T on the strictly lower part
     b_dL = -tl.dot(tl.dot(b_At, b_dA.to(dt)).to(dt), b_At)
-    m_l = o_s[:, None] > o_s[None, :]
+    m_l = (o_s[:, None] > o_s[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_F = tl.where(m_l, tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)), 0.)    # [t, s]
     b_P = b_dL * b_F * b_eta[:, None]
     # P^T through a scratch buffer: a transposed dot result fed into tl.dot miscompiles on Hopper
@@ -642,6 +643,7 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
     o_s = tl.arange(0, BT)
     o_t = i_t * BT + o_s
     m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -657,9 +659,10 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
     b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)
     b_A = tl.dot(b_q, tl.trans(b_x))
     for a in tl.static_range(1, BT // 16):
-        m_r = (i_t * BT + a * 16 - 1 + o_v * 0) < T   # a vector: see _load_x
-        b_Gr = tl.load(G + ((bos + i_t * BT + a * 16 - 1) * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0)
-        m_a = (o_s // 16) == a
+        # reference row: the sub-chunk boundary clamped to the chunk's last real row, and only real rows
+        # in sub-chunk a: rows past T read G = 0, and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
+        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        m_a = ((o_s // 16) == a) & m_t
         m_b = o_s < a * 16
         b_Aa = tl.where(m_a[:, None] & m_b[None, :], b_A, 0.)
         b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
@@ -667,7 +670,7 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
         b_o += tl.where(m_a[:, None], b_oa * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
     for d in range(16):
         s_t = (o_s // 16) * 16 + d
-        m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T)
+        m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
         b_ad = tl.sum(tl.where(o_s[None, :] == s_t[:, None], b_A, 0.), 1)
         p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         m_sv = m_d[:, None] & m_v[None, :]
@@ -692,6 +695,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     o_s = tl.arange(0, BT)
     o_t = i_t * BT + o_s
     m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -705,9 +709,10 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     b_At = tl.dot(b_x, tl.trans(b_q))           # [s, t]
     b_du = tl.zeros([BT, BV], dtype=tl.float32)
     for a in tl.static_range(1, BT // 16):
-        m_r = (i_t * BT + a * 16 - 1 + o_v * 0) < T   # a vector: see _load_x
-        b_Gr = tl.load(G + ((bos + i_t * BT + a * 16 - 1) * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0)
-        m_a = (o_s // 16) == a
+        # reference row: the sub-chunk boundary clamped to the chunk's last real row, and only real rows
+        # in sub-chunk a: rows past T read G = 0, and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
+        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        m_a = ((o_s // 16) == a) & m_t
         m_b = o_s < a * 16
         b_Aa = tl.where(m_b[:, None] & m_a[None, :], b_At, 0.)
         b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
@@ -790,9 +795,9 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
         b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh.to(dt)))
         # ds_ts = sum_v do_t u_s exp(G_t - G_s): sub-chunks below the diagonal by tensor cores
         for a in tl.static_range(1, BT // 16):
-            m_r = (i_t * BT + a * 16 - 1 + o_v * 0) < T   # a vector: see _load_x
-            b_Gr = tl.load(G + ((bos + i_t * BT + a * 16 - 1) * HV + i_hv) * V + o_v, mask=m_v & m_r, other=0)
-            m_a = (o_s // 16) == a
+            # reference row clamped into the sequence, real rows only (see _fwd_o_col)
+            b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+            m_a = ((o_s // 16) == a) & m_t
             m_b = o_s < a * 16
             b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
             b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
@@ -800,7 +805,7 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
         # ... and the diagonal blocks one offset at a time
         for d in range(16):
             s_t = (o_s // 16) * 16 + d
-            m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T)
+            m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
             p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
             m_sv = m_d[:, None] & m_v[None, :]
             b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
