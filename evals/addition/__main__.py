@@ -17,10 +17,10 @@ PRESETS = {
                  test_min=4, test_max=6, steps=1000, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.01,
                  eval_samples=200, eval_batch_size=200, jobs=2, threads=1, mamba_chunk=16),
     # the paper's protocol (SPEC section 6): train on 1-32 digit operands, test on 33-48; GPU. The paper does
-    # not state its schedule; 3000 x 128 examples is what fits every model x 3 seeds into ~20 min of one H200
+    # not state its schedule; 3000 steps x 128 examples is our guess (README: what a first attempt measured)
     'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
                   train_max=32, test_min=33, test_max=48, steps=3000, batch_size=128, lr=2e-3, warmup=200,
-                  weight_decay=0.1, eval_samples=1000, eval_batch_size=500, jobs_per_gpu=8, threads=2,
+                  weight_decay=0.1, eval_samples=1000, eval_batch_size=500, jobs_per_gpu=4, threads=2,
                   mamba_chunk=64),
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "skipped); torch: PyTorch reference path everywhere")
     p.add_argument('--jobs', type=int, default=None,
                    help="runs in flight at once, each its own process; on GPUs spread round-robin over the visible "
-                        "GPUs, several per GPU (preset: tiny 2; paper 8 per visible GPU); 1 runs in this process")
+                        "GPUs, several per GPU (preset: tiny 2; paper 4 per visible GPU); 1 runs in this process")
     p.add_argument('--threads', type=int, default=None, help="torch CPU threads per run")
     p.add_argument('--out', default=None, help="results folder (default results/addition/<preset>)")
     p.add_argument('--resume', action='store_true', help="keep finished runs found in <out>/runs")

@@ -67,6 +67,7 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     opt = torch.optim.AdamW(groups, lr=spec['lr'], betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(spec['seed'])
     steps = spec['steps']
+    log_every = max(1, steps // 10)
     losses = []
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=f"{spec['model']} s{spec['seed']}", position=position, leave=True,
@@ -89,6 +90,12 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                 losses.append(loss.item())
                 if step % 20 == 0 or step == steps - 1:
                     bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+                if not progress and (step + 1) % log_every == 0:
+                    # without bars (logs of packed GPU runs): one line per tenth, to see the pace
+                    el = time.perf_counter() - start
+                    print(f"  {spec['model']} s{spec['seed']}: step {step + 1}/{steps}, loss "
+                          f"{sum(losses[-20:]) / len(losses[-20:]):.3f}, {el:.0f} s ({1e3 * el / (step + 1):.0f} ms/step)",
+                          flush=True)
             train_time = time.perf_counter() - start
             lengths = list(range(spec['train_min'], spec['test_max'] + 1))
             acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device)
