@@ -231,6 +231,51 @@ def test_torch_gated_delta_rule_matches_fla_forward():
             assert _rel_err(ref, got) < 2e-3, op.__name__
 
 
+@pytest.mark.parametrize('T, chunk_size', [(1, 32), (37, 16), (64, 32)])
+def test_chunked_torch_gated_delta_rule_matches_fla_recurrence(T, chunk_size):
+    # the GPU training route of GatedDeltaNet: chunked PyTorch against fla's token-by-token naive recurrence,
+    # forward, final state and every gradient (initial state included), in fp64
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    torch.manual_seed(0)
+    B, H, K, V = 2, 2, 8, 6
+    q, k, v = (torch.randn(B, T, H, d, dtype=torch.float64) for d in (K, K, V))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = -torch.rand(B, T, H, dtype=torch.float64) * 3   # strong decay too: exp(G) far below 1
+    beta = torch.rand(B, T, H, dtype=torch.float64)
+    h0 = torch.randn(B, H, K, V, dtype=torch.float64)
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta, h0)]
+
+    def recurrence(q, k, v, g, beta, h0):
+        # fla's naive casts to fp32; this is the same loop in fp64
+        qs, ks, vs, gs, bs = (t.transpose(1, 2) for t in (q, k, v, g, beta))
+        h, outs = h0, []
+        for i in range(T):
+            h = h * gs[:, :, i].exp()[..., None, None]
+            u = (vs[:, :, i] - (h * ks[:, :, i, :, None]).sum(-2)) * bs[:, :, i, None]
+            h = h + ks[:, :, i, :, None] * u[..., None, :]
+            outs.append(torch.einsum('bhk,bhkv->bhv', qs[:, :, i] * K ** -0.5, h))
+        return torch.stack(outs, 2).transpose(1, 2), h
+
+    with torch.no_grad():   # the fp64 loop is fla's recurrence (fla's own runs in fp32)
+        o32, h32 = naive_recurrent_gated_delta_rule(*(t.float() for t in inputs[:3]), inputs[4].float(),
+                                                    inputs[3].float(), initial_state=h0.float(), output_final_state=True)
+        o64, h64 = recurrence(*inputs)
+        assert _rel_err(o64.float(), o32) < 1e-5 and _rel_err(h64.float(), h32) < 1e-5
+    ref = recurrence(*inputs)
+    got = torch_path.chunk_gated_delta_rule_torch(*inputs[:5], scale=K ** -0.5, initial_state=inputs[5],
+                                                  output_final_state=True, chunk_size=chunk_size)
+
+    def err64(a, b):
+        return ((a - b).norm() / a.norm().clamp_min(1e-300)).item()
+    for a, b in zip(ref, got):
+        assert err64(a, b) < 1e-10
+    do, dh = torch.randn_like(ref[0]), torch.randn_like(ref[1])
+    gr = torch.autograd.grad((ref[0] * do).sum() + (ref[1] * dh).sum(), inputs)
+    gg = torch.autograd.grad((got[0] * do).sum() + (got[1] * dh).sum(), inputs)
+    for a, b in zip(gr, gg):
+        assert err64(a, b) < 1e-10
+
+
 # ------------------------------------------------------------------------------------ models, training
 
 def test_routes():

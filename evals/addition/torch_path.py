@@ -90,15 +90,61 @@ def delta_rule_ref(q, k, v, beta, initial_state=None, output_final_state=False, 
     return o.transpose(1, 2).to(v.dtype), s
 
 
+def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+                                 chunk_size: int = 32):
+    """fla's gated delta rule in PyTorch, chunk by chunk (exact; autograd gradients).
+
+    The recurrence of fla's ``naive_recurrent_gated_delta_rule``: S <- exp(g_t) S, then
+    u_t = beta_t (v_t - S^T k_t), S <- S + k_t u_t^T, o_t = scale S^T q_t. Inside a chunk starting at S0,
+    with G the in-chunk cumulative log-decay, the u solve the unit lower-triangular system
+    (I + L) U = diag(beta) V - diag(beta exp(G)) K S0 with L_ts = beta_t exp(G_t - G_s) k_t.k_s (s < t).
+    One triangular solve and a few batched matmuls per chunk replace C token steps: a GPU training step
+    launches ~C times fewer kernels than the token loop. q, k, v, g, beta: [B, T, H, ...]; fp64 stays fp64,
+    anything else runs in fp32. Every exponent is G_t - G_s with s <= t (masked to -inf elsewhere).
+    """
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    q, k, v, g, beta = (t.transpose(1, 2).to(dt) for t in (q, k, v, g, beta))   # [B, H, T, ...]
+    pad = (-T) % C
+    if pad:   # zero tokens at the end: no decay (g = 0) and no write (beta = 0)
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (T + pad) // C
+    q, k, v = (t.reshape(B, H, n, C, -1) for t in (q, k, v))
+    q = q * scale
+    g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
+    G = g.cumsum(-1)
+    idx = torch.arange(C, device=q.device)
+    causal = idx[:, None] >= idx[None, :]
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float('-inf')).exp()   # exp(G_t - G_s), s <= t
+    # strictly lower part (D is already 0 above the diagonal)
+    L = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * D).masked_fill(idx[:, None] == idx[None, :], 0.)
+    IL = L + torch.eye(C, device=q.device, dtype=dt)
+    W = torch.linalg.solve_triangular(IL, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    U0 = torch.linalg.solve_triangular(IL, beta[..., None] * v, upper=False, unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)) * D
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for i in range(n):
+        U = U0[:, :, i] - W[:, :, i] @ S
+        outs.append((q[:, :, i] * G[:, :, i, :, None].exp()) @ S + QK[:, :, i] @ U)
+        Gi = G[:, :, i]
+        S = Gi[..., -1, None, None].exp() * S + (k[:, :, i] * (Gi[..., -1:] - Gi).exp()[..., None]).transpose(-1, -2) @ U
+    o = torch.stack(outs, 2).reshape(B, H, n * C, V)[:, :, :T].transpose(1, 2)
+    return o, (S if output_final_state else None)
+
+
 def gated_delta_rule_ref(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
                          use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                          cu_seqlens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None, scale=None, **kwargs):
     """fla 0.6.0's chunk/fused_recurrent_gated_delta_rule (the options fla's GatedDeltaNet layer passes):
     in-kernel l2norm of q/k, beta = sigmoid(b) (x2 with allow_neg_eigval), log-decay
-    g = -exp(A_log) * softplus(a + dt_bias) (fla's `naive_gdn_gate`), then fla's naive recurrence
-    (fla's PyTorch references: autograd gives the gradients)."""
+    g = -exp(A_log) * softplus(a + dt_bias) (fla's `naive_gdn_gate`), then fla's recurrence computed chunk by
+    chunk in PyTorch (`chunk_gated_delta_rule_torch`, checked against fla's naive recurrence; autograd
+    gives the gradients)."""
     from fla.ops.gated_delta_rule.gate import naive_gdn_gate
-    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
     if cu_seqlens is not None:
         raise NotImplementedError("torch reference gated delta rule: cu_seqlens (padding masks) not supported")
     if use_qk_l2norm_in_kernel:
@@ -114,8 +160,8 @@ def gated_delta_rule_ref(q, k, v, g, beta, initial_state=None, output_final_stat
         q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q, k))
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
-    o, s = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=scale, initial_state=initial_state,
-                                            output_final_state=output_final_state)
+    o, s = chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                        initial_state=initial_state, output_final_state=output_final_state)
     if s is not None and state_v_first:
         s = s.transpose(-1, -2)
     return o.to(v.dtype), s
