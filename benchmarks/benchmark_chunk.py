@@ -113,6 +113,8 @@ def main(argv=None):
     parser.add_argument('--window', type=int, default=4, help='window B of falcon3a (default: %(default)s)')
     parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results'),
                         help='output folder for chunk.json and chunk.md (default: %(default)s)')
+    parser.add_argument('--ops', nargs='+', default=None, metavar='OP',
+                        help='time only these ops (fla baselines by function name, falcon rules by rule name)')
     parser.add_argument('--profile', nargs='*', default=None, metavar='OP',
                         help='also write chunk_profile.md: per-kernel device time of forward+backward for these ops '
                              '(default when given bare: every op) at the first shape')
@@ -125,14 +127,18 @@ def main(argv=None):
     for spec in args.shapes:
         B, T, H, K, V = (int(x) for x in spec.split(','))
         cases, leaves = make_cases(B, T, H, K, V, args.window)
-        row = {'shape': [B, T, H, K, V], 'ms': {}}
+        row = {'shape': [B, T, H, K, V], 'ms': {}, 'ratio': {}}
+        results.append(row)
         for name, fn in cases.items():
+            if args.ops and name not in args.ops:
+                continue
             row['ms'][name] = {'fwd': bench(fn, leaves, False), 'fwd+bwd': bench(fn, leaves, True)}
             print(f"{spec:>22} {name:>24} fwd {row['ms'][name]['fwd']:8.3f} ms  "
                   f"fwd+bwd {row['ms'][name]['fwd+bwd']:8.3f} ms", flush=True)
-        row['ratio'] = {rule: {m: row['ms'][rule][m] / row['ms'][base][m] for m in ('fwd', 'fwd+bwd')}
-                        for rule, (base, _) in TARGETS.items() if rule in row['ms']}
-        results.append(row)
+            row['ratio'] = {rule: {m: row['ms'][rule][m] / row['ms'][base][m] for m in ('fwd', 'fwd+bwd')}
+                            for rule, (base, _) in TARGETS.items() if rule in row['ms'] and base in row['ms']}
+            # after every case: a run stopped part way (time limit, compile failure) keeps what it measured
+            write_report(args, results, lifted, done=False)
         if args.profile is not None and spec == args.shapes[0]:
             prof_lines = [f"# Kernel times, forward+backward, (B, T, H, K, V) = {spec} (us per call, torch.profiler)", '']
             for name, fn in cases.items():
@@ -146,14 +152,20 @@ def main(argv=None):
             print('\n'.join(prof_lines), flush=True)
         del cases, leaves
         torch.cuda.empty_cache()
+    print(write_report(args, results, lifted, done=True))
+
+
+def write_report(args, results, lifted: bool, done: bool) -> str:
+    """chunk.json and chunk.md from the rows measured so far."""
     meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
-            'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)'}
-    os.makedirs(args.out, exist_ok=True)
+            'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     lines = ['# chunk_falcon vs fla chunk kernels (bf16, ms, triton.testing.do_bench)', '',
              f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, falcon3a window {args.window}.", '']
+    if not done:
+        lines += ['**Partial: the run had not finished when this was written.**', '']
     if lifted:
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "
@@ -170,7 +182,7 @@ def main(argv=None):
         lines.append('')
     with open(os.path.join(args.out, 'chunk.md'), 'w') as f:
         f.write('\n'.join(lines))
-    print('\n'.join(lines))
+    return '\n'.join(lines)
 
 
 if __name__ == '__main__':

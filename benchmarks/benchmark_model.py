@@ -93,6 +93,14 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"{name:18s} params={r['params'] / 1e6:.1f}M  {r['ms_per_step']:.1f} ms/step  "
               f"{r['tokens_per_s']:.0f} tok/s  loss={r['loss']:.3f}", flush=True)
+        # after every model: a run stopped part way keeps what it measured
+        write_report(args, rows, guard, done=len(rows) == len(configs))
+    print(f"wrote {args.out}/model.json and model.md")
+    return 0
+
+
+def write_report(args, rows: list, guard: bool, done: bool) -> None:
+    """model.json and model.md from the models timed so far (row 0 is GatedDeltaNet)."""
     ref = rows[0]['tokens_per_s']
     for r in rows:
         r['throughput_ratio_vs_gdn'] = r['tokens_per_s'] / ref
@@ -100,12 +108,14 @@ def main(argv=None) -> int:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__('triton').__version__, fla=__import__('fla').__version__,
                 batch=args.batch, seqlen=args.seqlen, hidden_size=args.hidden_size, layers=args.layers,
-                dtype='bf16', fla_640_guard_lifted_for_timing=guard)
+                dtype='bf16', fla_640_guard_lifted_for_timing=guard, complete=done)
     with open(os.path.join(args.out, 'model.json'), 'w') as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
     with open(os.path.join(args.out, 'model.md'), 'w') as f:
         f.write(f"# Training throughput, forward + backward ({meta['device']}, bf16, B={args.batch}, "
                 f"T={args.seqlen}, hidden {args.hidden_size}, {args.layers} layers)\n\n")
+        if not done:
+            f.write("**Partial: the run had not finished when this was written.**\n\n")
         if guard:
             f.write("fla's #640 guard (gated chunk backward refused on Triton < 3.7.1 on Hopper) was lifted in this "
                     "process for timing only; GatedDeltaNet's gradients here may be wrong and were not used.\n\n")
@@ -113,8 +123,6 @@ def main(argv=None) -> int:
         for r in rows:
             f.write(f"| {r['model']} | {r['params'] / 1e6:.1f} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
                     f"{r['throughput_ratio_vs_gdn']:.3f} |\n")
-    print(f"wrote {args.out}/model.json and model.md")
-    return 0
 
 
 if __name__ == '__main__':
