@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fla_falcon.ops import FalconState, naive_recurrent_falcon
-from fla_falcon.ops.falcon.naive import falcon_step
+from fla_falcon.ops.falcon.naive import falcon_step, naive_chunk_falcon
 from fla_falcon.ops.falcon.utils import RULES, rule_info
 
 WINDOWED = [(r, w) for r in RULES for w in ((1, 2, 4) if rule_info(r)[2] else (1,))]
@@ -409,3 +409,53 @@ def test_count_outside_the_window_is_read_clamped():
     o_big = naive_recurrent_falcon(q, k, v, beta, lam_t, rule='falcon3', window=2,
                                    initial_state=h0._replace(count=torch.full((2,), 7, dtype=torch.int32)))[0]
     torch.testing.assert_close(o, o_big)
+
+
+# ------------------------------------------------------------------- the chunk form (naive_chunk_falcon)
+
+SCALAR_DECAY = [(r, w) for r, w in WINDOWED if not rule_info(r)[1]]
+
+
+@pytest.mark.parametrize('chunk_size', [1, 4, 16])
+@pytest.mark.parametrize('shift', [True, False])
+@pytest.mark.parametrize('rule, window', SCALAR_DECAY)
+def test_chunk_form_equals_recurrence(rule, window, shift, chunk_size):
+    # the exact C-step transition (a triangular solve over the chunk's window pairs) against the token
+    # loop: outputs, the whole continuation state and every gradient, with a carried state (count < W
+    # and = W) and the coupled ridge, for lengths that do not fill the last chunk
+    T = 11
+    q, k, v, beta, lam = make_inputs(rule, T=T, seed=3)
+    state = random_state(2, 2, 4, 5, 3, window, [1, window], seed=4)
+    leaves = [q, k, v, beta, lam, state.S, state.last_k, state.tail_x, state.tail_v]
+    results = []
+    for chunked in (False, True):
+        xs = [t.detach().clone().requires_grad_() for t in leaves]
+        st = FalconState(*xs[5:], state.count)
+        kw = dict(rule=rule, window=window, shift=shift, initial_state=st, output_final_state=True, lam_coupled=True)
+        if chunked:
+            o, fs = naive_chunk_falcon(*xs[:5], chunk_size=chunk_size, **kw)
+        else:
+            o, fs = naive_recurrent_falcon(*xs[:5], **kw)
+        g = torch.Generator().manual_seed(5)
+        loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in (o, *fs[:4]))
+        grads = torch.autograd.grad(loss, xs, allow_unused=True)   # shift=False never reads last_k
+        results.append([o, *fs[:4]] + [torch.zeros_like(x) if d is None else d for x, d in zip(xs, grads)])
+        results[-1].append(fs.count)
+    for a, b in zip(*results):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
+
+
+def test_chunk_form_varlen_and_rejects_per_column_rules():
+    q, k, v, beta, lam = make_inputs('falcon3', B=1, T=13, seed=6)
+    cu = torch.tensor([0, 4, 4, 13])
+    state = random_state(3, 2, 4, 5, 3, 4, [0, 2, 4], seed=7)
+    kw = dict(rule='falcon3', window=4, initial_state=state, output_final_state=True, cu_seqlens=cu)
+    o1, f1 = naive_recurrent_falcon(q, k, v, beta, lam, **kw)
+    o2, f2 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, **kw)
+    for a, b in zip((o1, *f1), (o2, *f2)):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
+    q, k, v, beta, lam = make_inputs('falcon2')
+    with pytest.raises(NotImplementedError, match='per column'):
+        naive_chunk_falcon(q, k, v, beta, lam, rule='falcon2')
+    with pytest.raises(ValueError, match='chunk_size'):
+        naive_chunk_falcon(*make_inputs('falcon1'), rule='falcon1', chunk_size=0)

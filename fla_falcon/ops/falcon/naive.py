@@ -21,9 +21,15 @@ with decay ``g = 1 - min(eta * lam, 1 - eps_gamma)`` (per column for rules 2/2a)
 rules 3/3a holds the last ``min(window, pairs so far)`` pairs; every residual uses the same
 pre-update S. ``lam_coupled=True`` reads ``lam`` as dimensionless and uses ``lam * E`` with E
 treated as a statistic (no gradient through that factor).
+
+:func:`naive_chunk_falcon` writes the same scalar-decay rules (1, 3, 1a, 3a) chunk by chunk: the exact
+transition of C steps as one triangular solve over the chunk's window pairs (falcon3's rank-B update
+included), the form a chunk kernel computes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -160,6 +166,15 @@ def naive_recurrent_falcon(
         ``o`` of shape ``[B, T, HV, V]`` in ``v``'s dtype and the final :class:`FalconState` or None.
         Computation runs in fp64 for fp64 inputs and in fp32 otherwise.
     """
+    return _per_sequence(
+        _falcon_sequence, q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
+        lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens)
+
+
+def _per_sequence(seq_fn, q, k, v, beta, lam, *, rule, window, scale, eps, eps_gamma, lam_coupled, shift,
+                  initial_state, output_final_state, cu_seqlens):
+    """Validates, casts, runs ``seq_fn`` on every sequence (batch row or packed span) and stacks the results."""
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
@@ -182,7 +197,7 @@ def naive_recurrent_falcon(
     for n, (b, span) in enumerate(spans):
         seq = [None if t is None else t[b, span] for t in (q, k, v, beta, lam)]
         state_n = FalconState(*(t[n] for t in initial_state))
-        o_n, final_n = _falcon_sequence(
+        o_n, final_n = seq_fn(
             *seq, state_n, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
             lam_coupled=lam_coupled, shift=shift)
         outs.append(o_n)
@@ -195,3 +210,138 @@ def naive_recurrent_falcon(
             torch.stack(S), torch.stack(last_k), torch.stack(tail_x), torch.stack(tail_v),
             torch.tensor(count, dtype=torch.int32, device=q.device))
     return o.to(out_dtype), final_state
+
+
+def naive_chunk_falcon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor | None = None,
+    *,
+    rule: str = 'falcon1',
+    window: int = 1,
+    scale: float | None = None,
+    eps: float = DEFAULT_EPS,
+    eps_gamma: float = DEFAULT_EPS_GAMMA,
+    lam_coupled: bool = False,
+    shift: bool = True,
+    initial_state: FalconState | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_size: int = 16,
+) -> tuple[torch.Tensor, FalconState | None]:
+    r"""The chunk form of the scalar-decay rules (falcon1, falcon3, falcon1a, falcon3a) in PyTorch.
+
+    Same arguments, results and state as :func:`naive_recurrent_falcon`; ``chunk_size`` steps at once.
+    The exact transition over a chunk (what a chunk kernel computes), written for reading and for
+    testing kernels against, not for speed.
+
+    Step t of a chunk writes its window's ``B_t`` pairs ``(x_{t,i}, y_{t,i})`` ("virtual tokens", at most
+    ``C * W`` per chunk) with the common coefficient ``c_t = eta_t / B_t`` and decay ``gamma_t``. With ``G``
+    the in-chunk cumulative ``log gamma`` and ``S0`` the state at the chunk start, the written vectors
+    ``U_{t,i} = c_t (y_{t,i} - S_{t-1}^T x_{t,i})`` (regression; ``c_t y_{t,i}`` for inner product) solve
+    the unit lower-triangular system
+
+        U_{t,i} + c_t sum_{s < t, j} exp(G_{t-1} - G_s) (x_{t,i} . x_{s,j}) U_{s,j}
+            = c_t (y_{t,i} - exp(G_{t-1}) S0^T x_{t,i})
+
+    (the pairs of one step all see the same pre-update state: ``s < t`` by step, not by pair), and
+
+        o_t = scale (exp(G_t) S0^T q_t + sum_{s <= t, j} exp(G_t - G_s) (q_t . x_{s,j}) U_{s,j}),
+        S_C = exp(G_C) S0 + sum_{s, j} exp(G_C - G_s) x_{s,j} U_{s,j}^T.
+
+    With window 1 this is falcon1's WY form (a gated delta rule on the shifted keys) and falcon1a's
+    gated linear attention. The per-column rules (falcon2/2a) raise ``NotImplementedError``.
+    """
+    _, per_column, _ = rule_info(rule)
+    if per_column:
+        raise NotImplementedError(f"naive_chunk_falcon covers the scalar-decay rules; {rule} decays per column")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    seq_fn = functools.partial(_falcon_chunk_sequence, chunk_size=chunk_size)
+    return _per_sequence(
+        seq_fn, q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
+        lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens)
+
+
+def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, scale, eps, eps_gamma,
+                           lam_coupled, shift, chunk_size):
+    """One sequence in chunks (see :func:`naive_chunk_falcon`); the arguments of :func:`_falcon_sequence`."""
+    regression, _, _ = rule_info(rule)
+    T, H, K = k.shape
+    HV, V = v.shape[1:]
+    G_ = HV // H
+    W = window
+    S, last_k, tail_x, tail_v, count = state
+    count = min(max(int(count), 0), W)
+    # every pair of the sequence in order: the carried tail, then one per step that has one
+    n_tail = max(count - 1, 0) if shift else min(count, W - 1)
+    if shift:
+        has_prev = count > 0
+        step_x = torch.cat([last_k[None], k[:-1]], 0) if T else k      # x_t = k_{t-1}, x_1 = the carried key
+        has_pair = torch.ones(T, dtype=torch.bool, device=k.device)
+        has_pair[:1] = has_prev
+    else:
+        step_x = k
+        has_pair = torch.ones(T, dtype=torch.bool, device=k.device)
+    px = torch.cat([tail_x[:, W - 1 - n_tail:], step_x.transpose(0, 1)[:, has_pair]], 1)   # [H, P, K]
+    py = torch.cat([tail_v[:, W - 1 - n_tail:], v.transpose(0, 1)[:, has_pair]], 1)         # [HV, P, V]
+    P = px.shape[1]
+    # the window of step t: pairs p_t, p_t - 1, ..., p_t - W + 1 (those that exist)
+    p_t = n_tail + torch.cumsum(has_pair.long(), 0) - 1                                    # [T]
+    idx = p_t[:, None] - torch.arange(W, device=k.device)[None, :]                          # [T, W]
+    m = (idx >= 0) & has_pair[:, None]                                                      # [T, W]
+    idx = idx.clamp(min=0)
+    mf = m.to(k.dtype)
+    Xw = px[:, idx] * mf[None, :, :, None] if P else k.new_zeros(H, T, W, K)               # [H, T, W, K]
+    Yw = py[:, idx] * mf[None, :, :, None] if P else v.new_zeros(HV, T, W, V)              # [HV, T, W, V]
+    Xw = Xw.repeat_interleave(G_, 0)                                                        # [HV, T, W, K]
+    # the step's statistics and gates, as falcon_step computes them
+    Bt = m.sum(-1).to(k.dtype)                                                              # [T]
+    Bs = Bt.clamp(min=1)
+    if rule == 'falcon3':
+        E = torch.linalg.eigvalsh(Xw @ Xw.transpose(-1, -2))[..., -1] / Bs                 # zero rows add 0s
+    else:
+        E = (Xw * Xw).sum((-1, -2)) / Bs
+    bt = beta.transpose(0, 1)                                                               # [HV, T]
+    lam_t = torch.zeros_like(E) if lam is None else (lam.transpose(0, 1) * E.detach() if lam_coupled
+                                                      else lam.transpose(0, 1))
+    eta = _safe_div(bt, E + lam_t + eps)
+    alpha = (eta * lam_t).clamp(max=1 - eps_gamma)
+    write = has_pair[None, :]
+    g = torch.where(write, torch.log1p(-alpha), torch.zeros_like(alpha))   # a step without a pair: no decay
+    c = torch.where(write, eta / Bs, torch.zeros_like(eta))
+    qh = q.repeat_interleave(G_, 1).transpose(0, 1) * scale                                 # [HV, T, K]
+    outs = []
+    for t0 in range(0, T, chunk_size):
+        n = min(chunk_size, T - t0)
+        sl = slice(t0, t0 + n)
+        st = torch.arange(n, device=k.device).repeat_interleave(W)                          # step of each pair
+        X = Xw[:, sl].reshape(HV, n * W, K)
+        Y = Yw[:, sl].reshape(HV, n * W, V)
+        G = torch.cumsum(g[:, sl], -1)                                                       # [HV, n]
+        Gp = G - g[:, sl]                                                                    # G_{t-1}
+        cv = c[:, sl][:, st]                                                                 # [HV, nW]
+        if regression:
+            before = st[:, None] > st[None, :]                                               # s < t by step
+            D = (Gp[:, st][:, :, None] - G[:, st][:, None, :]).masked_fill(~before, float('-inf')).exp()
+            L = cv[..., None] * D * (X @ X.transpose(-1, -2))
+            rhs = cv[..., None] * (Y - Gp[:, st].exp()[..., None] * (X @ S))
+            eye = torch.eye(n * W, dtype=L.dtype, device=L.device)
+            U = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
+        else:
+            U = cv[..., None] * Y
+        Q = qh[:, sl]                                                                        # [HV, n, K]
+        seen = torch.arange(n, device=k.device)[:, None] >= st[None, :]                      # s <= t
+        Do = (G[:, :, None] - G[:, st][:, None, :]).masked_fill(~seen, float('-inf')).exp()  # [HV, n, nW]
+        outs.append(G.exp()[..., None] * (Q @ S) + ((Q @ X.transpose(-1, -2)) * Do) @ U)
+        S = G[:, -1:, None].exp() * S + X.transpose(-1, -2) @ ((G[:, -1:] - G[:, st]).exp()[..., None] * U)
+    o = torch.cat(outs, 1).transpose(0, 1) if outs else v.new_zeros(0, HV, V)
+    # the continuation state, as _falcon_sequence leaves it
+    keep = min(P, W - 1)
+    new_tail_x = torch.cat([tail_x.new_zeros(H, W - 1 - keep, K), px[:, P - keep:]], 1)
+    new_tail_v = torch.cat([tail_v.new_zeros(HV, W - 1 - keep, V), py[:, P - keep:]], 1)
+    last = k[-1] if T else last_k
+    return o, (S, last, new_tail_x, new_tail_v, min(count + T, W))
