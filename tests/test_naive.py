@@ -413,12 +413,9 @@ def test_count_outside_the_window_is_read_clamped():
 
 # ------------------------------------------------------------------- the chunk form (naive_chunk_falcon)
 
-SCALAR_DECAY = [(r, w) for r, w in WINDOWED if not rule_info(r)[1]]
-
-
 @pytest.mark.parametrize('chunk_size', [1, 4, 16])
 @pytest.mark.parametrize('shift', [True, False])
-@pytest.mark.parametrize('rule, window', SCALAR_DECAY)
+@pytest.mark.parametrize('rule, window', WINDOWED)
 def test_chunk_form_equals_recurrence(rule, window, shift, chunk_size):
     # the exact C-step transition (a triangular solve over the chunk's window pairs) against the token
     # loop: outputs, the whole continuation state and every gradient, with a carried state (count < W
@@ -445,7 +442,7 @@ def test_chunk_form_equals_recurrence(rule, window, shift, chunk_size):
         assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
 
 
-def test_chunk_form_varlen_and_rejects_per_column_rules():
+def test_chunk_form_varlen_and_bad_chunk_size():
     q, k, v, beta, lam = make_inputs('falcon3', B=1, T=13, seed=6)
     cu = torch.tensor([0, 4, 4, 13])
     state = random_state(3, 2, 4, 5, 3, 4, [0, 2, 4], seed=7)
@@ -454,8 +451,5 @@ def test_chunk_form_varlen_and_rejects_per_column_rules():
     o2, f2 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, **kw)
     for a, b in zip((o1, *f1), (o2, *f2)):
         assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
-    q, k, v, beta, lam = make_inputs('falcon2')
-    with pytest.raises(NotImplementedError, match='per column'):
-        naive_chunk_falcon(q, k, v, beta, lam, rule='falcon2')
     with pytest.raises(ValueError, match='chunk_size'):
         naive_chunk_falcon(*make_inputs('falcon1'), rule='falcon1', chunk_size=0)

@@ -22,9 +22,9 @@ rules 3/3a holds the last ``min(window, pairs so far)`` pairs; every residual us
 pre-update S. ``lam_coupled=True`` reads ``lam`` as dimensionless and uses ``lam * E`` with E
 treated as a statistic (no gradient through that factor).
 
-:func:`naive_chunk_falcon` writes the same scalar-decay rules (1, 3, 1a, 3a) chunk by chunk: the exact
-transition of C steps as one triangular solve over the chunk's window pairs (falcon3's rank-B update
-included), the form a chunk kernel computes.
+:func:`naive_chunk_falcon` writes every rule chunk by chunk: the exact transition of C steps as
+triangular solves over the chunk's window pairs (falcon3's rank-B update and falcon2's per-column
+systems included), the form a chunk kernel computes.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def naive_chunk_falcon(
     cu_seqlens: torch.LongTensor | None = None,
     chunk_size: int = 16,
 ) -> tuple[torch.Tensor, FalconState | None]:
-    r"""The chunk form of the scalar-decay rules (falcon1, falcon3, falcon1a, falcon3a) in PyTorch.
+    r"""The chunk form of every Falcon rule in PyTorch.
 
     Same arguments, results and state as :func:`naive_recurrent_falcon`; ``chunk_size`` steps at once.
     The exact transition over a chunk (what a chunk kernel computes), written for reading and for
@@ -252,11 +252,10 @@ def naive_chunk_falcon(
         S_C = exp(G_C) S0 + sum_{s, j} exp(G_C - G_s) x_{s,j} U_{s,j}^T.
 
     With window 1 this is falcon1's WY form (a gated delta rule on the shifted keys) and falcon1a's
-    gated linear attention. The per-column rules (falcon2/2a) raise ``NotImplementedError``.
+    gated linear attention. falcon2/2a have one coefficient and one decay per value column
+    (``c``, ``G`` carry a column index): falcon2 solves one such system per column, with one
+    right-hand side each, all sharing the key Gram matrix (the paper's merged single solve).
     """
-    _, per_column, _ = rule_info(rule)
-    if per_column:
-        raise NotImplementedError(f"naive_chunk_falcon covers the scalar-decay rules; {rule} decays per column")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     seq_fn = functools.partial(_falcon_chunk_sequence, chunk_size=chunk_size)
@@ -269,7 +268,7 @@ def naive_chunk_falcon(
 def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, scale, eps, eps_gamma,
                            lam_coupled, shift, chunk_size):
     """One sequence in chunks (see :func:`naive_chunk_falcon`); the arguments of :func:`_falcon_sequence`."""
-    regression, _, _ = rule_info(rule)
+    regression, per_column, _ = rule_info(rule)
     T, H, K = k.shape
     HV, V = v.shape[1:]
     G_ = HV // H
@@ -305,14 +304,15 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
         E = torch.linalg.eigvalsh(Xw @ Xw.transpose(-1, -2))[..., -1] / Bs                 # zero rows add 0s
     else:
         E = (Xw * Xw).sum((-1, -2)) / Bs
-    bt = beta.transpose(0, 1)                                                               # [HV, T]
+    # gates with a trailing column axis: V columns (falcon2/2a: per-column gains and decays) or 1
+    bt = beta.transpose(0, 1) if per_column else beta.transpose(0, 1)[..., None]            # [HV, T, Vg]
     lam_t = torch.zeros_like(E) if lam is None else (lam.transpose(0, 1) * E.detach() if lam_coupled
                                                       else lam.transpose(0, 1))
-    eta = _safe_div(bt, E + lam_t + eps)
-    alpha = (eta * lam_t).clamp(max=1 - eps_gamma)
-    write = has_pair[None, :]
+    eta = _safe_div(bt, (E + lam_t + eps)[..., None])
+    alpha = (eta * lam_t[..., None]).clamp(max=1 - eps_gamma)
+    write = has_pair[None, :, None]
     g = torch.where(write, torch.log1p(-alpha), torch.zeros_like(alpha))   # a step without a pair: no decay
-    c = torch.where(write, eta / Bs, torch.zeros_like(eta))
+    c = torch.where(write, eta / Bs[None, :, None], torch.zeros_like(eta))
     qh = q.repeat_interleave(G_, 1).transpose(0, 1) * scale                                 # [HV, T, K]
     outs = []
     for t0 in range(0, T, chunk_size):
@@ -321,23 +321,28 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
         st = torch.arange(n, device=k.device).repeat_interleave(W)                          # step of each pair
         X = Xw[:, sl].reshape(HV, n * W, K)
         Y = Yw[:, sl].reshape(HV, n * W, V)
-        G = torch.cumsum(g[:, sl], -1)                                                       # [HV, n]
+        G = torch.cumsum(g[:, sl], 1)                                                        # [HV, n, Vg]
         Gp = G - g[:, sl]                                                                    # G_{t-1}
-        cv = c[:, sl][:, st]                                                                 # [HV, nW]
+        cv = c[:, sl][:, st]                                                                 # [HV, nW, Vg]
         if regression:
-            before = st[:, None] > st[None, :]                                               # s < t by step
+            before = (st[:, None] > st[None, :])[..., None]                                  # s < t by step
             D = (Gp[:, st][:, :, None] - G[:, st][:, None, :]).masked_fill(~before, float('-inf')).exp()
-            L = cv[..., None] * D * (X @ X.transpose(-1, -2))
-            rhs = cv[..., None] * (Y - Gp[:, st].exp()[..., None] * (X @ S))
+            L = (cv[:, :, None] * D * (X @ X.transpose(-1, -2))[..., None]).movedim(-1, 1)  # [HV, Vg, nW, nW]
+            rhs = cv * (Y - Gp[:, st].exp() * (X @ S))                                       # [HV, nW, V]
+            # one system per column (falcon2: a right-hand side each) or one for all columns
+            rhs = rhs.transpose(1, 2)[..., None] if per_column else rhs[:, None]
             eye = torch.eye(n * W, dtype=L.dtype, device=L.device)
             U = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
+            U = U[..., 0].transpose(1, 2) if per_column else U[:, 0]                         # [HV, nW, V]
         else:
-            U = cv[..., None] * Y
+            U = cv * Y
         Q = qh[:, sl]                                                                        # [HV, n, K]
-        seen = torch.arange(n, device=k.device)[:, None] >= st[None, :]                      # s <= t
-        Do = (G[:, :, None] - G[:, st][:, None, :]).masked_fill(~seen, float('-inf')).exp()  # [HV, n, nW]
-        outs.append(G.exp()[..., None] * (Q @ S) + ((Q @ X.transpose(-1, -2)) * Do) @ U)
-        S = G[:, -1:, None].exp() * S + X.transpose(-1, -2) @ ((G[:, -1:] - G[:, st]).exp()[..., None] * U)
+        seen = (torch.arange(n, device=k.device)[:, None] >= st[None, :])[..., None]         # s <= t
+        Do = (G[:, :, None] - G[:, st][:, None, :]).masked_fill(~seen, float('-inf')).exp()  # [HV, n, nW, Vg]
+        A = Q @ X.transpose(-1, -2)
+        intra = torch.einsum('hts,htsc,hsc->htc', A, Do, U) if per_column else (A * Do[..., 0]) @ U
+        outs.append(G.exp() * (Q @ S) + intra)
+        S = G[:, -1][:, None, :].exp() * S + X.transpose(-1, -2) @ ((G[:, -1:] - G[:, st]).exp() * U)
     o = torch.cat(outs, 1).transpose(0, 1) if outs else v.new_zeros(0, HV, V)
     # the continuation state, as _falcon_sequence leaves it
     keep = min(P, W - 1)
