@@ -51,6 +51,10 @@ SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2a')
 # 8 warps keep the backward kernels free of register spills at K = V = 128 (ptxas, sm_90a); the
 # interpreter keeps only the first config
 CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
+# the heavy per-chunk kernels (several [BT, BT] and [BT, K] fp32 tiles live at once) spill 1-3.5 KB of
+# registers per thread with 4 warps at K = V = 128 (scripts/aot_check.py, sm_90): 8 warps only, which
+# also halves their autotuning (compile) time
+CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # the sequential state kernels run one program per (value block, sequence, head): narrower value
 # blocks give more programs when there are few sequences
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
@@ -461,7 +465,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
              dk, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
@@ -546,7 +550,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
                           i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv, dk, dlast_k, dbeta, dlam,
                eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -629,7 +633,7 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
 # a time (rows s = 16 (t // 16) + d gathered from memory), elementwise in fp32.
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -730,7 +734,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf,
              dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
