@@ -2,7 +2,8 @@
 """Time chunk_falcon against fla's chunk kernels (same process, triton.testing.do_bench), bf16, CUDA only.
 
 Baselines: chunk_gated_delta_rule (target for falcon1), chunk_simple_gla (target for falcon1a,
-falcon2a, falcon3a) and chunk_delta_rule. fla 0.6.0 refuses its gated chunk backward
+falcon2a, falcon3a), chunk_delta_rule, and chunk_gla (per-channel decay, the fla kernel closest to
+falcon2a's per-column decay; shown for reference). fla 0.6.0 refuses its gated chunk backward
 (chunk_bwd_dqkwg with a gate) on Hopper with Triton 3.4-3.7.0 because of a miscompilation (fla issue
 #640); to time those baselines this script lifts that guard in its own process only (the
 miscompilation affects their gradients' values, not their speed) and says so in the table.
@@ -40,6 +41,7 @@ def lift_fla_guard() -> bool:
 def make_cases(B, T, H, K, V, window):
     from fla.ops.delta_rule import chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gla import chunk_gla
     from fla.ops.simple_gla import chunk_simple_gla
 
     dev, dt = 'cuda', torch.bfloat16
@@ -51,13 +53,16 @@ def make_cases(B, T, H, K, V, window):
     g = F.logsigmoid(torch.randn(B, T, H, device=dev, dtype=torch.float32))
     lam = torch.rand(B, T, H, device=dev, dtype=dt)
     beta_col = torch.rand(B, T, H, V, device=dev, dtype=dt)
-    leaves = [q, k, v, beta, g, lam, beta_col]
+    # per-channel log-decay of GLA: the fla kernel with the cost structure of falcon2a's per-column decay
+    g_col = F.logsigmoid(torch.randn(B, T, H, K, device=dev, dtype=torch.float32))
+    leaves = [q, k, v, beta, g, lam, beta_col, g_col]
     for t in leaves:
         t.requires_grad_()
     cases = {
         'chunk_gated_delta_rule': lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
         'chunk_simple_gla': lambda: chunk_simple_gla(q, k, v, g)[0],
         'chunk_delta_rule': lambda: chunk_delta_rule(q, k, v, beta)[0],
+        'chunk_gla': lambda: chunk_gla(q, k, v, g_col)[0],
     }
     for rule in SUPPORTED_RULES:
         b = beta_col if rule.startswith('falcon2') else beta
