@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn as nn
 from fla.models.gated_deltanet.modeling_gated_deltanet import GatedDeltaNetBlock
 from fla.models.generation_utils import FLAUnsupportedCacheGenerationMixin
