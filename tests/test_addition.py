@@ -1,8 +1,12 @@
 # -*- coding: utf-8 -*-
 """evals/addition: data format, loss mask, exact match, report writing, the PyTorch stand-ins of
-evals.addition.torch_path against what they replace, and one training step of a tiny Falcon model."""
+evals.addition.torch_path against what they replace, one training step of a tiny Falcon model, and a
+data-parallel run under torchrun."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +309,18 @@ def test_one_training_step_tiny_falcon(restore_patches):
     rec = run(spec, progress=False)
     assert rec['status'] == 'ok', rec.get('reason')
     assert set(rec['accuracy']) == {'1', '2', '3'} and rec['config']['shift'] is False
+
+
+def test_torchrun_data_parallel_on_cpu(tmp_path):
+    # one run data parallel over two CPU processes (gloo): rank 0 writes the run and the report
+    out = tmp_path / 'ddp'
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+           '-m', 'evals.addition', '--preset', 'tiny', '--device', 'cpu', '--models', 'falcon1a', '--steps', '3',
+           '--eval-samples', '4', '--seeds', '0', '--out', str(out), '--no-progress']
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((out / 'results.json').read_text())
+    assert res['meta']['data_parallel_ranks'] == 2
+    [run] = res['runs']
+    assert run['status'] == 'ok' and run['world_size'] == 2 and set(run['accuracy']) == {str(n) for n in range(1, 7)}

@@ -205,6 +205,13 @@ def main(argv=None) -> int:
     from evals.addition.report import write_report
 
     specs, meta = build_specs(args)
+    rank, world = _init_distributed(meta['config']['device'])
+    if world > 1:
+        # torchrun: each run in turn, data parallel over the ranks; rank 0 writes the results
+        meta['config']['jobs'] = 1
+        meta['data_parallel_ranks'] = world
+        for spec in specs:
+            spec['device'] = meta['config']['device'] = _rank_device(spec['device'])
     out = Path(args.out or f"results/addition/{args.preset}")
     run_dir = out / 'runs'
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +220,7 @@ def main(argv=None) -> int:
         import torch
         if not torch.cuda.is_available():
             raise SystemExit(f"error: --device {device} but no CUDA GPU is visible (use --preset tiny or --device cpu)")
-        if args.jobs is None and 'jobs_per_gpu' in meta['config']:
+        if args.jobs is None and 'jobs_per_gpu' in meta['config'] and world == 1:
             meta['config']['jobs'] = meta['config']['jobs_per_gpu'] * torch.cuda.device_count()
     meta['environment'] = _environment(device)
     progress = not args.no_progress
@@ -226,16 +233,24 @@ def main(argv=None) -> int:
             if p.exists():
                 done[_run_name(s)] = json.loads(p.read_text())
     todo = [s for s in specs if _run_name(s) not in done] if not args.report_only else []
-    print(f"addition/{args.preset}: {len(specs)} runs ({len(done)} already done), device {device}, "
-          f"train {meta['train_lengths']} test {meta['test_lengths']} digits, out {out}", flush=True)
+    if rank == 0:
+        print(f"addition/{args.preset}: {len(specs)} runs ({len(done)} already done), device {device}, "
+              f"train {meta['train_lengths']} test {meta['test_lengths']} digits, out {out}"
+              + (f", data parallel over {world} ranks" if world > 1 else ''), flush=True)
     jobs = meta['config'].get('jobs', 1)
     if jobs <= 1 or len(todo) <= 1:
         from evals.addition.train import run
         for spec in todo:
             rec = run(spec, progress=progress)
-            (run_dir / f"{_run_name(spec)}.json").write_text(json.dumps(rec, default=str))
+            if rank == 0:
+                (run_dir / f"{_run_name(spec)}.json").write_text(json.dumps(rec, default=str))
+                _print_status(rec)
             done[_run_name(spec)] = rec
-            _print_status(rec)
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+            if rank > 0:
+                return 0
     else:
         for rec in run_parallel(todo, run_dir, jobs, progress):
             done[f"{rec['model']}-s{rec['seed']}"] = rec
@@ -247,6 +262,24 @@ def main(argv=None) -> int:
     print('\n' + paths.pop('table'))
     print(f"wall time {time.perf_counter() - start:.0f} s; wrote " + ', '.join(paths.values()))
     return 0 if all(r.get('status') in ('ok', 'unavailable') for r in runs) else 1
+
+
+def _init_distributed(device: str) -> tuple[int, int]:
+    """(rank, world size): a process group when started by torchrun with several processes, else (0, 1)."""
+    if int(os.environ.get('WORLD_SIZE', '1')) <= 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+    cuda = str(device).startswith('cuda')
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', '0')))
+    dist.init_process_group(backend='nccl' if cuda else 'gloo')
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _rank_device(device: str) -> str:
+    """This rank's device: its own GPU under torchrun (LOCAL_RANK), the CPU otherwise."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if str(device).startswith('cuda') else device
 
 
 def _print_status(rec: dict) -> None:

@@ -42,15 +42,27 @@ def evaluate(model, lengths, samples: int, batch_size: int, device: str) -> dict
     return acc
 
 
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     """Trains and evaluates one (model, seed). `spec`: model, seed, device, kernels, size (dict), train_min,
     train_max, test_min, test_max, steps, batch_size, lr, warmup, weight_decay, eval_samples,
-    eval_batch_size, threads. Returns a JSON-able record (status 'ok', 'unavailable' or 'failed')."""
+    eval_batch_size, threads. Returns a JSON-able record (status 'ok', 'unavailable' or 'failed').
+    Under an initialized process group (torchrun) the run is data parallel: every rank draws
+    batch_size / world examples a step, DDP averages the gradients, rank 0 evaluates."""
     device = spec['device']
-    record = dict(model=spec['model'], seed=spec['seed'], device=device, kernels=spec['kernels'])
+    # data parallel under torchrun (see __main__): every rank trains on its share of each batch
+    rank, world = _dist_rank_world()
+    if spec['batch_size'] % world:
+        raise ValueError(f"batch_size {spec['batch_size']} is not a multiple of the {world} data-parallel ranks")
+    record = dict(model=spec['model'], seed=spec['seed'], device=device, kernels=spec['kernels'], world_size=world)
     if spec.get('threads'):
         torch.set_num_threads(int(spec['threads']))
-    torch.manual_seed(spec['seed'])
+    torch.manual_seed(spec['seed'])   # the same initial weights on every rank
     size = dict(spec['size'], max_len=3 * spec['test_max'] + 8)
     try:
         with warnings.catch_warnings():
@@ -65,11 +77,19 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     groups = [dict(params=[p for p in model.parameters() if id(p) in decayed], weight_decay=spec['weight_decay']),
               dict(params=[p for p in model.parameters() if id(p) not in decayed], weight_decay=0.0)]
     opt = torch.optim.AdamW(groups, lr=spec['lr'], betas=(0.9, 0.98))
-    gen = torch.Generator().manual_seed(spec['seed'])
+    net = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        net = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda')
+                                      else None, find_unused_parameters=True)
+    # one stream of examples per rank (rank 0 draws the single-process stream)
+    gen = torch.Generator().manual_seed(spec['seed'] + 7919 * rank)
+    local_batch = spec['batch_size'] // world
     steps = spec['steps']
     log_every = max(1, steps // 10)
     losses = []
     start = time.perf_counter()
+    progress = progress and rank == 0
     bar = tqdm(range(steps), desc=f"{spec['model']} s{spec['seed']}", position=position, leave=True,
                disable=not progress, dynamic_ncols=True, mininterval=1.0)
     model.train()
@@ -79,8 +99,8 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
             for step in bar:
                 for g in opt.param_groups:
                     g['lr'] = lr_at(step, steps, spec['lr'], spec['warmup'])
-                b = train_batch(spec['batch_size'], spec['train_min'], spec['train_max'], gen).to(device)
-                loss = answer_loss(model(input_ids=b.input_ids, use_cache=False).logits, b.targets)
+                b = train_batch(local_batch, spec['train_min'], spec['train_max'], gen).to(device)
+                loss = answer_loss(net(input_ids=b.input_ids, use_cache=False).logits, b.targets)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss at step {step}")
                 opt.zero_grad(set_to_none=True)
@@ -90,7 +110,7 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                 losses.append(loss.item())
                 if step % 20 == 0 or step == steps - 1:
                     bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-                if not progress and (step + 1) % log_every == 0:
+                if not progress and rank == 0 and (step + 1) % log_every == 0:
                     # without bars (logs of packed GPU runs): one line per tenth, to see the pace
                     el = time.perf_counter() - start
                     print(f"  {spec['model']} s{spec['seed']}: step {step + 1}/{steps}, loss "
@@ -98,7 +118,10 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                           flush=True)
             train_time = time.perf_counter() - start
             lengths = list(range(spec['train_min'], spec['test_max'] + 1))
-            acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device)
+            # the fixed test sets on rank 0 (the weights are the same on every rank)
+            acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device) if rank == 0 else {}
+            if world > 1:
+                torch.distributed.barrier()
     except (FloatingPointError, RuntimeError) as e:
         bar.close()
         return dict(record, status='failed', reason=f"{type(e).__name__}: {e}",
