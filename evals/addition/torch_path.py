@@ -99,7 +99,8 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state=None, ou
     with G the in-chunk cumulative log-decay, the u solve the unit lower-triangular system
     (I + L) U = diag(beta) V - diag(beta exp(G)) K S0 with L_ts = beta_t exp(G_t - G_s) k_t.k_s (s < t).
     One triangular solve and a few batched matmuls per chunk replace C token steps: a GPU training step
-    launches ~C times fewer kernels than the token loop. q, k, v, g, beta: [B, T, H, ...]; fp64 stays fp64,
+    launches ~C times fewer kernels than the token loop (fla's ``naive_chunk_gated_delta_rule`` inverts
+    each chunk with a Python loop over its rows, which gives back most of that). q, k, v, g, beta: [B, T, H, ...]; fp64 stays fp64,
     anything else runs in fp32. Every exponent is G_t - G_s with s <= t (masked to -inf elsewhere).
     """
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
