@@ -12,10 +12,18 @@ from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
 
 # fp32 matmuls run in tf32 on the GPU
 RATIO = {torch.float32: 5e-3 if DEVICE == 'cuda' else 1e-4, torch.bfloat16: 2e-2}
+# the generic tests run the windowed rule with this window; its own tests below cover W = 1, 2, 4, 8
+WINDOW = {'falcon3a': 3}
+# rules whose length/varlen grid runs in the generic tests (falcon3a has its own, per window)
+BASE_RULES = tuple(r for r in SUPPORTED_RULES if r not in WINDOW)
+
+
+def win(rule):
+    return WINDOW.get(rule, 1)
 
 
 def make_inputs(rule, B, T, H, G, K, V, lam_mode, init, device, seed=0, cu_seqlens=None, lam_scale=2.0,
-                beta_range=(0.1, 1.9)):
+                beta_range=(0.1, 1.9), window=1):
     torch.manual_seed(seed)
     HV = H * G
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -30,32 +38,39 @@ def make_inputs(rule, B, T, H, G, K, V, lam_mode, init, device, seed=0, cu_seqle
         lam = lam * 0.5
     state = None
     if init:
-        count = torch.tensor([(n + 1) % 2 for n in range(N)], dtype=torch.int32, device=device)   # fresh and seen
+        # seen and fresh; windowed: a full tail, a fresh state, a partial tail (rows before the real
+        # pairs are random too: the ops must ignore them)
+        counts = [1, 0] if window == 1 else [window, 0, 2]
+        count = torch.tensor([counts[n % len(counts)] for n in range(N)], dtype=torch.int32, device=device)
         state = FalconState(0.1 * torch.randn(N, HV, K, V, device=device), torch.randn(N, H, K, device=device),
-                            torch.zeros(N, H, 0, K, device=device), torch.zeros(N, HV, 0, V, device=device), count)
+                            torch.randn(N, H, window - 1, K, device=device),
+                            torch.randn(N, HV, window - 1, V, device=device), count)
     return q, k, v, beta, lam, state
 
 
 def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, cu_seqlens=None, chunk_size=64,
-             seed=1, eps=1e-6):
+             seed=1, eps=1e-6, window=1):
     """Runs both ops with the same upstream gradients; returns [(name, ref, tri)]."""
     leaves = {'q': q, 'k': k, 'v': v, 'beta': beta}
     if lam is not None:
         leaves['lam'] = lam
+    state_leaves = ('S0', 'last_k', 'tail_x', 'tail_v')
     if state is not None:
         leaves['S0'], leaves['last_k'] = state.S, state.last_k
+        if window > 1:
+            leaves['tail_x'], leaves['tail_v'] = state.tail_x, state.tail_v
     kw = dict(rule=rule, lam_coupled=lam_mode == 'coupled', shift=shift, output_final_state=True,
-              cu_seqlens=cu_seqlens, eps=eps)
+              cu_seqlens=cu_seqlens, eps=eps, window=window)
     results = {}
     for name, cast in (('ref', torch.float64), ('tri', dtype)):
         # the reference sees the same (rounded) inputs; the state stays fp32 for the kernel
-        xs = {n: (t.detach().to(dtype).to(cast) if n not in ('S0', 'last_k') else
+        xs = {n: (t.detach().to(dtype).to(cast) if n not in state_leaves else
                   t.detach().to(torch.float64 if name == 'ref' else torch.float32)).requires_grad_()
               for n, t in leaves.items()}
         st = None
         if state is not None:
-            st = FalconState(xs['S0'], xs['last_k'], state.tail_x.to(xs['S0'].dtype),
-                             state.tail_v.to(xs['S0'].dtype), state.count)
+            st = FalconState(xs['S0'], xs['last_k'], xs.get('tail_x', state.tail_x.to(xs['S0'].dtype)),
+                             xs.get('tail_v', state.tail_v.to(xs['S0'].dtype)), state.count)
         args = (xs['q'], xs['k'], xs['v'], xs['beta'], xs.get('lam'))
         if name == 'ref':
             o, fs = naive_recurrent_falcon(*args, initial_state=st, **kw)
@@ -65,9 +80,14 @@ def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, 
         do = torch.randn(o.shape, generator=g).to(o.device, torch.float64)
         dS = torch.randn(fs.S.shape, generator=g).to(o.device, torch.float64)
         loss = (o.double() * do).sum() + (fs.S.double() * dS).sum() + fs.last_k.double().sum()
+        if window > 1:   # the final window tail is differentiable too (an indexing of k, v and the old tail)
+            dtx = torch.randn(fs.tail_x.shape, generator=g).to(o.device, torch.float64)
+            dtv = torch.randn(fs.tail_v.shape, generator=g).to(o.device, torch.float64)
+            loss = loss + (fs.tail_x.double() * dtx).sum() + (fs.tail_v.double() * dtv).sum()
         loss.backward()
         # a leaf that does not reach the loss has no gradient: compare it as zeros
-        results[name] = [('o', o), ('S', fs.S), ('last_k_T', fs.last_k)] + [
+        tails = [('tail_x_T', fs.tail_x), ('tail_v_T', fs.tail_v)] if window > 1 else []
+        results[name] = [('o', o), ('S', fs.S), ('last_k_T', fs.last_k)] + tails + [
             (f'd{n}', t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in xs.items()]
         results[name + '_count'] = fs.count
     assert torch.equal(results['ref_count'].cpu(), results['tri_count'].cpu())
@@ -82,7 +102,7 @@ def check(pairs, dtype):
 
 @pytest.mark.parametrize('chunk_size', [16, 64])
 @pytest.mark.parametrize('T', [1, 63, 64, 65, 130])
-@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+@pytest.mark.parametrize('rule', BASE_RULES)
 def test_lengths(rule, T, chunk_size, device):
     inputs = make_inputs(rule, 2, T, 1, 2, 16, 16, 'on', True, device)
     check(run_both(rule, *inputs, torch.float32, chunk_size=chunk_size), torch.float32)
@@ -92,8 +112,9 @@ def test_lengths(rule, T, chunk_size, device):
 @pytest.mark.parametrize('lam_mode', ['off', 'on', 'coupled'])
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_options(rule, lam_mode, shift, device):
-    inputs = make_inputs(rule, 1, 40, 2, 1, 16, 16, lam_mode, True, device, seed=2)
-    check(run_both(rule, *inputs, torch.float32, lam_mode=lam_mode, shift=shift, chunk_size=16), torch.float32)
+    inputs = make_inputs(rule, 1, 40, 2, 1, 16, 16, lam_mode, True, device, seed=2, window=win(rule))
+    check(run_both(rule, *inputs, torch.float32, lam_mode=lam_mode, shift=shift, chunk_size=16, window=win(rule)),
+          torch.float32)
 
 
 @pytest.mark.parametrize('chunk_size', [16, 64])
@@ -102,29 +123,30 @@ def test_clamp_active(rule, chunk_size, device):
     # lam >> ||x||^2 and beta near 2: eta*lam hits 1 - eps_gamma for many tokens, so the log-decay
     # inside a chunk falls far below -88; with chunk size 64 the last chunk is partial (T = 40) and its
     # padded rows (G = 0) must never meet a real row in one exponent (falcon2a's NaN gradients, fixed)
-    inputs = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'on', True, device, lam_scale=1e4, beta_range=(1.5, 1.99999))
-    check(run_both(rule, *inputs, torch.float32, chunk_size=chunk_size), torch.float32)
+    inputs = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'on', True, device, lam_scale=1e4, beta_range=(1.5, 1.99999),
+                         window=win(rule))
+    check(run_both(rule, *inputs, torch.float32, chunk_size=chunk_size, window=win(rule)), torch.float32)
 
 
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_odd_head_dims(rule, device):
     # K, V not powers of two, V over more than one value block
-    inputs = make_inputs(rule, 1, 40, 1, 2, 24, 80, 'on', True, device, seed=3)
-    check(run_both(rule, *inputs, torch.float32, chunk_size=32), torch.float32)
+    inputs = make_inputs(rule, 1, 40, 1, 2, 24, 80, 'on', True, device, seed=3, window=win(rule))
+    check(run_both(rule, *inputs, torch.float32, chunk_size=32, window=win(rule)), torch.float32)
 
 
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_zero_keys(rule, device):
     # x = 0 rows: with eps = 0 and no ridge the denominator is 0 and eta := 0 (no write, no decay)
-    q, k, v, beta, lam, state = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'off', True, device)
+    q, k, v, beta, lam, state = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'off', True, device, window=win(rule))
     k[:, 5:9] = 0
     k[:, 20] = 0
-    pairs = run_both(rule, q, k, v, beta, None, state, torch.float32, chunk_size=16, eps=0.0)
+    pairs = run_both(rule, q, k, v, beta, None, state, torch.float32, chunk_size=16, eps=0.0, window=win(rule))
     check(pairs, torch.float32)
 
 
 @pytest.mark.parametrize('shift', [True, False])
-@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+@pytest.mark.parametrize('rule', BASE_RULES)
 def test_varlen(rule, shift, device):
     cu = torch.tensor([0, 1, 20, 20, 57, 90], device=device)
     inputs = make_inputs(rule, 1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu)
@@ -138,13 +160,17 @@ SAME_OP_RATIO = {'cpu': 1e-5, 'cuda': 2e-3}
 
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_segments(rule, device):
-    """Two segments with the carried state give the outputs and final state of one pass."""
+    """Segments with the carried state give the outputs and final state of one pass (the middle
+    segment is shorter than falcon3a's window: its tail carries pairs of the first one)."""
     q, k, v, beta, lam, _ = make_inputs(rule, 2, 70, 1, 1, 16, 16, 'on', False, device)
-    kw = dict(rule=rule, output_final_state=True, chunk_size=16)
+    kw = dict(rule=rule, output_final_state=True, chunk_size=16, window=win(rule))
     o, fs = chunk_falcon(q, k, v, beta, lam, **kw)
-    o1, fs1 = chunk_falcon(q[:, :33], k[:, :33], v[:, :33], beta[:, :33], lam[:, :33], **kw)
-    o2, fs2 = chunk_falcon(q[:, 33:], k[:, 33:], v[:, 33:], beta[:, 33:], lam[:, 33:], initial_state=fs1, **kw)
-    assert_close('o', o, torch.cat([o1, o2], 1), SAME_OP_RATIO[device])
+    outs, st = [], None
+    for a, b in ((0, 33), (33, 34), (34, 70)):
+        o_i, st = chunk_falcon(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], lam[:, a:b], initial_state=st, **kw)
+        outs.append(o_i)
+    fs2 = st
+    assert_close('o', o, torch.cat(outs, 1), SAME_OP_RATIO[device])
     for name, a, b in zip(FalconState._fields, fs, fs2):
         assert a.shape == b.shape, name
         if a.numel():
@@ -176,6 +202,8 @@ def test_unsupported_and_bad_args(device):
             chunk_falcon(q, k, v, b, lam, rule=rule)
     with pytest.raises(ValueError, match='chunk_size'):
         chunk_falcon(q, k, v, beta, lam, rule='falcon1', chunk_size=48)
+    with pytest.raises(NotImplementedError, match='window'):   # the layer falls back to fused_recurrent
+        chunk_falcon(q, k, v, beta, lam, rule='falcon3a', window=9)
     with pytest.raises(ValueError, match='beta'):
         chunk_falcon(q, k, v, beta[..., :1, None], lam, rule='falcon1')
 
@@ -184,13 +212,82 @@ def test_unsupported_and_bad_args(device):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_gpu_long(rule, dtype, device):
-    inputs = make_inputs(rule, 2, 1000, 2, 2, 64, 64, 'on', True, device)
-    check(run_both(rule, *inputs, dtype), dtype)
+    inputs = make_inputs(rule, 2, 1000, 2, 2, 64, 64, 'on', True, device, window=win(rule))
+    check(run_both(rule, *inputs, dtype, window=win(rule)), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_gpu_bf16_heads128_varlen(rule, device):
     cu = torch.tensor([0, 100, 611, 1000], device=device)
-    inputs = make_inputs(rule, 1, 1000, 2, 1, 128, 128, 'coupled', True, device, cu_seqlens=cu)
-    check(run_both(rule, *inputs, torch.bfloat16, lam_mode='coupled', cu_seqlens=cu), torch.bfloat16)
+    inputs = make_inputs(rule, 1, 1000, 2, 1, 128, 128, 'coupled', True, device, cu_seqlens=cu, window=win(rule))
+    check(run_both(rule, *inputs, torch.bfloat16, lam_mode='coupled', cu_seqlens=cu, window=win(rule)),
+          torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# falcon3a: the window W (pairs before a chunk come from the previous chunk or the carried tail)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('window, T, chunk_size', [
+    (1, 65, 16), (2, 130, 64), (2, 63, 16), (4, 1, 16), (4, 65, 64), (8, 63, 64), (8, 65, 16)])
+def test_falcon3a_windows(window, T, chunk_size, device):
+    # grouped value heads (HV = 2H); initial states with a full tail and a fresh one
+    inputs = make_inputs('falcon3a', 2, T, 1, 2, 16, 16, 'on', True, device, window=window)
+    check(run_both('falcon3a', *inputs, torch.float32, chunk_size=chunk_size, window=window), torch.float32)
+
+
+@pytest.mark.parametrize('shift, window', [(True, 4), (False, 8)])
+def test_falcon3a_varlen(shift, window, device):
+    # short sequences (1 token, empty) next to ones spanning chunks; full, fresh and partial tails
+    cu = torch.tensor([0, 1, 20, 20, 57, 90], device=device)
+    inputs = make_inputs('falcon3a', 1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu, window=window)
+    check(run_both('falcon3a', *inputs, torch.float32, shift=shift, cu_seqlens=cu, chunk_size=16, window=window),
+          torch.float32)
+
+
+@pytest.mark.parametrize('shift', [True, False])
+def test_falcon3a_segments(shift, device):
+    """W = 8 over segments shorter than the window, carried through tail_x/tail_v/count, vs one pass."""
+    q, k, v, beta, lam, _ = make_inputs('falcon3a', 1, 40, 1, 2, 16, 16, 'on', False, device)
+    kw = dict(rule='falcon3a', window=8, shift=shift, output_final_state=True, chunk_size=16)
+    o, fs = chunk_falcon(q, k, v, beta, lam, **kw)
+    outs, st = [], None
+    for a, b in ((0, 2), (2, 5), (5, 21), (21, 40)):
+        o_i, st = chunk_falcon(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], lam[:, a:b], initial_state=st, **kw)
+        outs.append(o_i)
+    assert_close('o', o, torch.cat(outs, 1), SAME_OP_RATIO[device])
+    for name, a, b in zip(FalconState._fields, fs, st):
+        assert a.shape == b.shape, name
+        assert_close(name, a.double(), b.double(), SAME_OP_RATIO[device])
+
+
+def test_falcon3a_window1_is_falcon1a(device):
+    """falcon3a with W = 1 is falcon1a (outputs, state, every gradient), through its own kernels."""
+    q, k, v, beta, lam, state = make_inputs('falcon1a', 1, 40, 1, 2, 16, 16, 'on', True, device)
+    outs = []
+    for rule in ('falcon1a', 'falcon3a'):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, beta, lam, state.S, state.last_k)]
+        st = FalconState(xs[5], xs[6], state.tail_x, state.tail_v, state.count)
+        o, fs = chunk_falcon(*xs[:5], rule=rule, window=1, initial_state=st, output_final_state=True, chunk_size=16)
+        (o.sum() + fs.S.square().sum()).backward()
+        outs.append([o, fs.S] + [t.grad for t in xs])
+    for name, a, b in zip(['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0', 'dlast_k'], *outs):
+        assert_close(name, a.double(), b.double(), SAME_OP_RATIO[device])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('window', [2, 8])
+def test_gpu_falcon3a_long(window, dtype, device):
+    inputs = make_inputs('falcon3a', 2, 1000, 2, 2, 64, 64, 'on', True, device, window=window)
+    check(run_both('falcon3a', *inputs, dtype, window=window), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('shift', [True, False])
+def test_gpu_falcon3a_bf16_heads128_varlen(shift, device):
+    cu = torch.tensor([0, 5, 611, 1000], device=device)
+    inputs = make_inputs('falcon3a', 1, 1000, 2, 1, 128, 128, 'coupled', True, device, cu_seqlens=cu, window=8)
+    check(run_both('falcon3a', *inputs, torch.bfloat16, lam_mode='coupled', shift=shift, cu_seqlens=cu, window=8),
+          torch.bfloat16)

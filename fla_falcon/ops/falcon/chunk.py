@@ -13,7 +13,9 @@ are a state recurrence ``S_t = exp(g_t) S_{t-1} + x_t u_t^T`` with
   unit lower-triangular system ``(I + L) U = diag(eta) V - diag(eta exp(G_{t-1})) X S0`` with
   ``L_ts = eta_t exp(G_{t-1} - G_s) x_t.x_s`` (s < t), i.e. the gated delta rule with
   ``beta' = eta / gamma`` and ``v' = gamma v`` written without dividing by gamma. With
-  ``A = (I + L)^-1``, ``W = A diag(eta exp(G_{t-1})) X`` and ``U0 = A diag(eta) V``: ``U = U0 - W S0``.
+  ``A = (I + L)^-1``, ``W = A diag(eta exp(G_{t-1})) X`` and ``U0 = A diag(eta) V``: ``U = U0 - W S0``;
+- falcon3a (window W <= 8): ``S_t = exp(g_t) S_{t-1} + c_t sum_{p in window(t)} x_p v_p^T`` with
+  ``c_t = eta_t / B_t``, see the falcon3a section below.
 
 Every exponent is a difference ``G_t - G_s`` with s <= t, so every factor is <= 1.
 
@@ -28,6 +30,24 @@ term of a write): ``dG_t = q_t.dq_t - x_t.dx_t`` (scalar decay) or ``o_t * do_t 
 (per column), plus ``<S_next, dS_next>`` on the chunk's last row; ``dg`` is its reverse cumsum
 inside the chunk. The chain rule then runs through ``log1p(-alpha)``, the clamp, ``eta`` and
 ``E = ||x||^2``, and the key gradient is written already shifted back onto k.
+
+falcon3a (constexpr ``WIN`` = W; 0 for the other rules). The window of step t holds the real pairs at
+positions t-W+1..t of the sequence (negative positions: the carried ``tail_x``/``tail_v``, whose last
+``n_tail`` rows are real), ``B_t`` counts them and ``E_t`` is their mean ``||x||^2``. ``_prep_fwd``
+loads the W shifted rows per step and stores G and ``c = eta / B``. Inside a chunk starting at t0 with
+state S0, ``o_t = scale q_t^T (exp(G_t) S0 + sum_p x_p v_p^T M[t, p])`` and the next chunk-start state
+is ``exp(G_C) S0 + sum_p x_p v_p^T M[C, p]`` with
+``M[t, p] = sum_{r = max(p, t0)}^{min(t, p + W - 1)} c_r exp(G_t - G_r)`` (r: the steps of this chunk
+whose window holds pair p), built elementwise (at most W terms, exponents <= 0). The pairs p run over
+the chunk and over a 16-row block before it (the last W - 1 rows count; at a sequence start they come
+from the tail), each with its own tl.dot. ``_bwd_dhu`` is falcon1a's; ``_bwd_win`` does the rest per
+chunk: dq, dx, dv from the products; ``dM = scale (q.x)(do.v)`` (+ ``x^T dS_next v`` on the last row);
+``dG_t += sum_p dM M``, ``dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p]``,
+``dG_r -= c_r dc_r``; the gates' chain rule with ``deta = dc / B``; the energy gradient
+``2 x_p sum_r dE_r / B_r`` over the steps whose window holds p. A pair gets gradient from the steps
+p..p+W-1, so the pairs before a chunk get theirs from that chunk (the 16-row block) into separate
+buffers (dk2/dv2, or the tail's gradient at a sequence start) that the host adds to dk/dv. The final
+state's tail is gathered on the host from k, v and the old tail (an indexing: autograd handles it).
 """
 
 from __future__ import annotations
@@ -46,7 +66,7 @@ from fla_falcon.ops.falcon.utils import (
     validate_falcon_inputs,
 )
 
-SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2a')
+SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2a', 'falcon3a')
 
 # 8 warps keep the backward kernels free of register spills at K = V = 128 (ptxas, sm_90a); the
 # interpreter keeps only the first config
@@ -114,6 +134,14 @@ def _stats(b_x, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, HAS_LAM: tl.c
            LAM_COUPLED: tl.constexpr):
     """Per-row energy E = ||x||^2, ridge lam' (lam, or lam * E with E a statistic) and E + lam' + eps."""
     b_E = tl.sum(b_x * b_x, 1)
+    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    return b_E, b_lp, b_den
+
+
+@triton.jit
+def _ridge(b_E, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, HAS_LAM: tl.constexpr,
+           LAM_COUPLED: tl.constexpr):
+    """Ridge lam' (lam, or lam * E with E a statistic) and the denominator E + lam' + eps."""
     if HAS_LAM:
         b_lam = tl.load(lam + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
         if LAM_COUPLED:
@@ -122,7 +150,7 @@ def _stats(b_x, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, HAS_LAM: tl.c
             b_lp = b_lam
     else:
         b_lp = tl.zeros_like(b_E)
-    return b_E, b_lp, b_E + b_lp + eps
+    return b_lp, b_E + b_lp + eps
 
 
 @triton.jit
@@ -192,17 +220,140 @@ def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k
 
 
 # ----------------------------------------------------------------------------------------------
+# falcon3a helpers: pairs at in-sequence positions p (p < 0: the carried tail), the window gates,
+# and the window's mixing weights M[t, p] = sum_{r = max(p, t0)}^{min(t, p + W - 1)} c_r exp(G_t - G_r)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _n_tail(count, i_n, o_p, WIN: tl.constexpr, SHIFT: tl.constexpr):
+    """Real pairs in the carried tail (count read clamped into [0, W]), as a vector over o_p."""
+    b_c = tl.minimum(tl.maximum(tl.load(count + i_n + o_p * 0), 0), WIN)
+    if SHIFT:
+        b_n = tl.maximum(b_c - 1, 0)
+    else:
+        b_n = tl.minimum(b_c, WIN - 1)
+    return b_n
+
+
+@triton.jit
+def _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H: tl.constexpr, K: tl.constexpr,
+                BK: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """x ([n, BK], k's dtype) and validity of the pairs at positions o_p of the sequence; p < 0 reads
+    row W - 1 + p of the carried tail (its last n_tail rows are real pairs)."""
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_p, m_p & (o_p >= 0), H, K, BK, SHIFT,
+                         USE_INITIAL_STATE)
+    if USE_INITIAL_STATE:
+        if WIN > 1:
+            o_k = tl.arange(0, BK)
+            m_tl = m_p & (o_p < 0) & (o_p >= -_n_tail(count, i_n, o_p, WIN, SHIFT))
+            b_tx = tl.load(tail_x + ((i_n * H + i_h) * (WIN - 1) + WIN - 1 + o_p)[:, None] * K + o_k[None, :],
+                           mask=m_tl[:, None] & (o_k < K)[None, :], other=0).to(b_x.dtype)
+            b_x = tl.where(m_tl[:, None], b_tx, b_x)
+            valid = valid | m_tl
+    return b_x, valid
+
+
+@triton.jit
+def _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV: tl.constexpr, V: tl.constexpr,
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Values (fp32) of the pairs at positions o_p (p < 0: the carried tail)."""
+    m_v = o_v < V
+    b_v = tl.load(v + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :],
+                  mask=(m_p & (o_p >= 0))[:, None] & m_v[None, :], other=0).to(tl.float32)
+    if USE_INITIAL_STATE:
+        if WIN > 1:
+            m_tl = m_p & (o_p < 0) & (o_p >= -_n_tail(count, i_n, o_p, WIN, SHIFT))
+            b_tv = tl.load(tail_v + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * V + o_v[None, :],
+                           mask=m_tl[:, None] & m_v[None, :], other=0)
+            b_v = tl.where(m_tl[:, None], b_tv, b_v)
+    return b_v
+
+
+@triton.jit
+def _win_gates(k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, WIN: tl.constexpr,
+               SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+               USE_INITIAL_STATE: tl.constexpr):
+    """falcon3a's per-step gates from the window t-W+1..t: (valid, 1/B_t, E_t = mean ||x_j||^2, lam', den,
+    eta, alpha, clamped, g); B_t counts the real pairs of the window."""
+    b_x, valid = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, H, K, BK, WIN, SHIFT,
+                             USE_INITIAL_STATE)
+    b_x = b_x.to(tl.float32)
+    b_sq = tl.sum(b_x * b_x, 1)
+    b_nb = valid.to(tl.float32)
+    for d in tl.static_range(1, WIN):
+        b_xd, valid_d = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        b_xd = b_xd.to(tl.float32)
+        b_sq += tl.where(valid_d, tl.sum(b_xd * b_xd, 1), 0.)
+        b_nb += valid_d.to(tl.float32)
+    b_rB = tl.where(valid, 1 / tl.maximum(b_nb, 1.), 0.)
+    b_E = b_sq * b_rB
+    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
+    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    return valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g
+
+
+@triton.jit
+def _win_M(c, G, bos, i_hv, HV: tl.constexpr, b_Gt, o_t, o_p, valid_p, t0, T, BR: tl.constexpr,
+           BC: tl.constexpr, WIN: tl.constexpr, TRANS: tl.constexpr):
+    """M[t, p] ([BR, BC]; [BC, BR] with TRANS) for the rows o_t of the chunk starting at t0 and the pairs o_p:
+    at most W masked terms c_r exp(G_t - G_r), r = p + d in [t0, t], each exponent <= 0. Built
+    elementwise in both orientations: a transposed dot result must not feed another tl.dot on Hopper.
+    The masks are index comparisons only and the pairs' validity is a float factor: bool tensors
+    derived from loads cannot move into the dot layouts through shared memory."""
+    if TRANS:
+        b_M = tl.zeros([BC, BR], dtype=tl.float32)
+    else:
+        b_M = tl.zeros([BR, BC], dtype=tl.float32)
+    m_t = o_t < T
+    for d in tl.static_range(WIN):
+        r = o_p + d
+        m_r = (r >= t0) & (r < T)
+        b_c = tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)
+        b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
+        if TRANS:
+            m = m_r[:, None] & m_t[None, :] & (r[:, None] <= o_t[None, :])
+            b_M += tl.where(m, b_c[:, None] * tl.exp(tl.where(m, b_Gt[None, :] - b_Gr[:, None], 0.)), 0.)
+        else:
+            m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
+            b_M += tl.where(m, b_c[None, :] * tl.exp(tl.where(m, b_Gt[:, None] - b_Gr[None, :], 0.)), 0.)
+    b_vf = valid_p.to(tl.float32)
+    if TRANS:
+        b_M = b_M * b_vf[:, None]
+    else:
+        b_M = b_M * b_vf[None, :]
+    return b_M
+
+
+@triton.jit
+def _win_m_end(c, G, bos, i_hv, HV: tl.constexpr, b_Gl, last, o_p, valid_p, t0, WIN: tl.constexpr):
+    """M[last, p]: the weights of the pairs o_p in the state at the chunk's last row."""
+    b_m = tl.zeros_like(b_Gl + o_p.to(tl.float32))
+    for d in tl.static_range(WIN):
+        r = o_p + d
+        m_r = (r >= t0) & (r <= last)
+        b_c = tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)
+        b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
+        b_m += tl.where(m_r, b_c * tl.exp(tl.where(m_r, b_Gl - b_Gr, 0.)), 0.)
+    return b_m * valid_p.to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _prep_fwd(k, v, beta, lam, last_k, count, G, eta, A, W, U,
+def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, G, eta, A, W, U,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, HAS_LAM: tl.constexpr,
-              LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+              SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
+              HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+              IS_VARLEN: tl.constexpr):
+    """Shift, energies, gates and the in-chunk cumulative log-decay G; `eta` holds eta (falcon3a: eta / B_t)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -221,6 +372,13 @@ def _prep_fwd(k, v, beta, lam, last_k, count, G, eta, A, W, U,
             b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp[:, None], b_den[:, None], valid[:, None], eps_gamma)
             tl.store(G + p_tv, tl.cumsum(b_g, 0), mask=m_tv)
             tl.store(eta + p_tv, b_eta, mask=m_tv)
+    elif WIN > 0:
+        # falcon3a: the window energy and B_t; the step weight c_t = eta_t / B_t is what the kernels read
+        valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
+            k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
+            SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+        tl.store(G + (bos + o_t) * HV + i_hv, tl.cumsum(b_g, 0), mask=m_t)
+        tl.store(eta + (bos + o_t) * HV + i_hv, b_eta * b_rB, mask=m_t)
     else:
         b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
             b_xl.to(tl.float32), beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
@@ -270,14 +428,14 @@ def _prep_fwd(k, v, beta, lam, last_k, count, G, eta, A, W, U,
                 tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _fwd_h(k, v, last_k, count, G, eta, W, U, h, h0, ht, vn,
+def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
            cu_seqlens, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-           SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-           STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+           SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
+           USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -320,22 +478,37 @@ def _fwd_h(k, v, last_k, count, G, eta, W, U, h, h0, ht, vn,
                 b_u = tl.load(U + p_tv, mask=m_tv, other=0).to(tl.float32)
                 b_u -= tl.dot(b_w, b_h.to(b_w.dtype))
                 tl.store(vn + p_tv, b_u.to(vn.dtype.element_ty), mask=m_tv)
+                b_u = b_u * tl.exp(b_Gl - b_G)[:, None]
+            elif WIN > 0:
+                # falcon3a: S_end = exp(G_C) S_start + sum_p x_p v_p^T M[C, p] over the chunk's pairs ...
+                b_m = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_t, valid, i_t * BT, WIN)
+                b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_m[:, None]
             else:
                 b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-                b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta[:, None]
-            b_u = (b_u * tl.exp(b_Gl - b_G)[:, None]).to(k.dtype.element_ty)
-            b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u)
+                b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
+            b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u.to(k.dtype.element_ty))
+            if WIN > 1:
+                # ... and the W - 1 pairs before it (previous chunk, or the carried tail)
+                o_p = i_t * BT - 16 + tl.arange(0, 16)
+                m_p = o_p >= i_t * BT - (WIN - 1)
+                b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                                            USE_INITIAL_STATE)
+                b_mp = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, i_t * BT, WIN)
+                b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
+                                   USE_INITIAL_STATE)
+                b_h += tl.dot(tl.trans(b_xp), (b_vp * b_mp[:, None]).to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _fwd_o(q, k, v, last_k, count, G, eta, vn, h, o, scale,
+def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale,
            cu_seqlens, chunk_indices, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-           SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+           SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+           IS_VARLEN: tl.constexpr):
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -354,15 +527,31 @@ def _fwd_o(q, k, v, last_k, count, G, eta, vn, h, o, scale,
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
     if DELTA:
         b_u = tl.load(vn + p_tv, mask=m_tv, other=0)
+    elif WIN > 0:
+        b_u = tl.load(v + p_tv, mask=m_tv, other=0)
     else:
         b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
         b_u = (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta[:, None]).to(q.dtype.element_ty)
     b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)[:, None]
     b_s = tl.dot(b_q, tl.trans(b_x))
-    # real rows t only: a padded row reads G = 0 and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
-    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
+    if WIN > 0:
+        # falcon3a: o_t = q_t^T (exp(G_t) S_start + sum_p x_p v_p^T M[t, p])
+        b_s = b_s * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, i_t * BT, T, BT, BT, WIN, False)
+    else:
+        # real rows t only: a padded row reads G = 0 and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
+        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+        b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
     b_o += tl.dot(b_s.to(b_q.dtype), b_u.to(b_q.dtype))
+    if WIN > 1:
+        # the W - 1 pairs before the chunk (previous chunk, or the carried tail): a 16-row block
+        o_p = i_t * BT - 16 + tl.arange(0, 16)
+        m_p = o_p >= i_t * BT - (WIN - 1)
+        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_sp = tl.dot(b_q, tl.trans(b_xp))
+        b_sp = b_sp * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, i_t * BT, T, BT, 16, WIN, False)
+        b_o += tl.dot(b_sp.to(b_q.dtype), b_vp.to(b_q.dtype))
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -857,6 +1046,160 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
 
 
 # ----------------------------------------------------------------------------------------------
+# falcon3a backward: one pass per chunk over the value blocks. A pair p gets gradient from the steps
+# r = p..p+W-1 whose window holds it; those of the next chunk are computed by that chunk (its 16-row
+# block of pairs before the chunk) and land in dk2/dv2 (or in the tail's gradient), added on the host.
+# ----------------------------------------------------------------------------------------------
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.jit
+def _bwd_win(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do,
+             dq, dk, dv, dk2, dv2, dlast_k, dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma,
+             cu_seqlens, chunk_indices, chunk_offsets, T,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
+             SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """o_t = scale q_t^T (exp(G_t) S0 + sum_p x_p v_p^T M[t, p]), S_end = exp(G_C) S0 + sum_p x_p v_p^T M[C, p]:
+    dq, dx, dv from the products, dM = scale (q.x)(do.v) (+ x^T dS_end v on the last row), then
+    dG_t += sum_p dM M, dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p], dG_r -= c_r dc_r,
+    the gates' chain rule (c = eta / B) and the window energy's gradient 2 x_p sum_r dE_r / B_r."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = i_t * BT
+    o_s = tl.arange(0, BT)
+    o_t = t0 + o_s
+    m_t = o_t < T
+    last = min(t0 + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    o_j = tl.arange(0, 16)
+    o_p = t0 - 16 + o_j     # the pairs before the chunk; only the last W - 1 can be in a window here
+    m_p = o_p >= t0 - (WIN - 1)
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+    dt = b_q.dtype
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_xpl, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                                 USE_INITIAL_STATE)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+    valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
+        k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
+        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+    b_c = b_eta * b_rB
+    # what the value-block loop needs ([p, t] orientation); the [t, p] ones are built after it
+    b_Mt = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, True)       # [p, t]
+    b_Mpt = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, True)    # [j, t]
+    b_mC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_t, valid, t0, WIN)
+    b_mpC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, t0, WIN)
+    b_AMt = tl.dot(b_xl, tl.trans(b_q)) * scale * b_Mt
+    b_AMpt = tl.dot(b_xpl, tl.trans(b_q)) * scale * b_Mpt
+    b_dqS = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dxS = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dxSp = tl.zeros([16, BK], dtype=tl.float32)
+    b_P = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Pt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Pp = tl.zeros([BT, 16], dtype=tl.float32)
+    b_Ppt = tl.zeros([16, BT], dtype=tl.float32)
+    b_e = tl.zeros([BT], dtype=tl.float32)
+    b_ep = tl.zeros([16], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(dt)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(dt)
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
+                           USE_INITIAL_STATE).to(dt)
+        b_dqS += tl.dot(b_do, tl.trans(b_h))
+        b_P += tl.dot(b_do, tl.trans(b_v))
+        b_Pt += tl.dot(b_v, tl.trans(b_do))
+        b_Pp += tl.dot(b_do, tl.trans(b_vp))
+        b_Ppt += tl.dot(b_vp, tl.trans(b_do))
+        b_xdh = tl.dot(b_xl, b_dh.to(dt))
+        b_xpdh = tl.dot(b_xpl, b_dh.to(dt))
+        b_e += tl.sum(b_xdh * b_v.to(tl.float32), 1)
+        b_ep += tl.sum(b_xpdh * b_vp.to(tl.float32), 1)
+        b_dxS += tl.dot(b_v, tl.trans(b_dh.to(dt)))
+        b_dxSp += tl.dot(b_vp, tl.trans(b_dh.to(dt)))
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        b_dv = tl.dot(b_AMt.to(dt), b_do) + b_mC[:, None] * b_xdh
+        tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        if WIN > 1:
+            b_dvp = tl.dot(b_AMpt.to(dt), b_do) + b_mpC[:, None] * b_xpdh
+            m_pv = (o_v < V)[None, :]
+            tl.store(dv2 + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dvp,
+                     mask=(m_p & (o_p >= 0))[:, None] & m_pv)
+            if USE_INITIAL_STATE:
+                tl.store(dtail_v + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * V + o_v[None, :],
+                         b_dvp, mask=(m_p & (o_p < 0))[:, None] & m_pv)
+    # the chunk-start state's paths
+    b_dq = b_dqS * (tl.exp(b_G) * scale)[:, None]
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) + tl.where(o_t == last, tl.exp(b_Gl) * tl.sum(b_hdh, 0), 0.)
+    # the window paths
+    b_M = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, False)       # [t, p]
+    b_Mp = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, False)    # [t, j]
+    b_dq += tl.dot((b_P * b_M * scale).to(dt), b_xl) + tl.dot((b_Pp * b_Mp * scale).to(dt), b_xpl)
+    b_dx = tl.dot((b_Pt * b_Mt * scale).to(dt), b_q) + b_mC[:, None] * b_dxS
+    b_dxp = tl.dot((b_Ppt * b_Mpt * scale).to(dt), b_q) + b_mpC[:, None] * b_dxSp
+    is_last = (o_t == last)[:, None]
+    b_A = tl.dot(b_q, tl.trans(b_xl)) * scale
+    b_Ap = tl.dot(b_q, tl.trans(b_xpl)) * scale
+    b_dM = b_A * b_P + tl.where(is_last, b_e[None, :], 0.)
+    b_dMp = b_Ap * b_Pp + tl.where(is_last, b_ep[None, :], 0.)
+    b_dG += tl.sum(b_dM * b_M, 1) + tl.sum(b_dMp * b_Mp, 1)
+    # dc_r: for each offset d the pairs p = r - d; a one-hot sum moves the result from p to r's row
+    # (dM is 0 in the columns of missing pairs: x = 0 there; index masks only, as in _win_M)
+    b_dc = tl.zeros([BT], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        r = o_t + d
+        m_r = r < T
+        b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
+        m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
+        b_y = tl.sum(tl.where(m, tl.exp(tl.where(m, b_G[:, None] - b_Gr[None, :], 0.)) * b_dM, 0.), 0)
+        b_dc += tl.sum(tl.where((o_s[None, :] + d) == o_s[:, None], b_y[None, :], 0.), 1)
+        if WIN > 1:
+            r = o_p + d
+            m_r = (r >= t0) & (r < T)
+            b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
+            m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
+            b_y = tl.sum(tl.where(m, tl.exp(tl.where(m, b_G[:, None] - b_Gr[None, :], 0.)) * b_dMp, 0.), 0)
+            b_dc += tl.sum(tl.where((o_j[None, :] + d - 16) == o_s[:, None], b_y[None, :], 0.), 1)
+    b_dG -= b_c * b_dc
+    b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, tl.zeros([BT], dtype=tl.float32), b_dc * b_rB, b_lp, b_den,
+                                        b_eta, b_a, clamped, valid)
+    # the window energy E_r = sum_{p in window(r)} ||x_p||^2 / B_r: dx_p += 2 x_p sum_r dE_r / B_r
+    b_w = 2 * b_dden * b_rB
+    b_ws = tl.zeros([BT], dtype=tl.float32)
+    b_wsp = tl.zeros([16], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        b_ws += tl.sum(tl.where(o_s[None, :] == (o_s[:, None] + d), b_w[None, :], 0.), 1)
+        if WIN > 1:
+            b_wsp += tl.sum(tl.where(o_s[None, :] == (o_j[:, None] + d - 16), b_w[None, :], 0.), 1)
+    b_xf = b_xl.to(tl.float32)
+    b_dx += b_ws[:, None] * b_xf
+    b_dxp += b_wsp[:, None] * b_xpl.to(tl.float32)
+    tl.store(dq + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    _store_gate_grads(b_xf, b_dx, b_dbeta, b_dlp, tl.zeros([BT], dtype=tl.float32), b_E, valid, dk, dlast_k, dbeta,
+                      dlam, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+    if WIN > 1:
+        m_pk = (o_k < K)[None, :]
+        # o_p >= 9 here (chunks of >= 16 rows), so the shifted key row o_p - SHIFT exists
+        tl.store(dk2 + ((bos + o_p - SHIFT) * HV + i_hv)[:, None] * K + o_k[None, :], b_dxp,
+                 mask=(m_p & (o_p >= 0))[:, None] & m_pk)
+        if USE_INITIAL_STATE:
+            tl.store(dtail_x + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * K + o_k[None, :], b_dxp,
+                     mask=(m_p & (o_p < 0))[:, None] & m_pk)
+
+
+# ----------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------
 
@@ -878,8 +1221,8 @@ def _meta(q, v, chunk_size, cu_seqlens):
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
 
-def _chunk_fwd(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, delta, per_col, lam_coupled, shift,
-               output_final_state, cu_seqlens, chunk_size):
+def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col, win,
+               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size):
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -896,14 +1239,14 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, del
         U = torch.empty_like(v)
         vn = torch.empty_like(v)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, G, eta, A, W, U, cu_seqlens, ci, co, eps, eps_gamma, T,
-        DELTA=delta, PER_COL=per_col, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+        k, v, beta, lam, last_k, count, tail_x, G, eta, A, W, U, cu_seqlens, ci, co, eps, eps_gamma, T,
+        DELTA=delta, PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
     h = torch.empty(m['NTH'] if cu_seqlens is not None else B * NT, HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        k, v, last_k, count, G, eta, W, U, h, S0, ht, vn, cu_seqlens, co, T,
-        DELTA=delta, PER_COL=per_col, STORE_FINAL_STATE=output_final_state, **common_h)
+        k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, S0, ht, vn, cu_seqlens, co, T,
+        DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
     if per_col:
         # fp32 output: the decay gradient reads it back (dG = o * do - u * du)
         o = torch.empty(B, T, HV, V, device=dev, dtype=torch.float32)
@@ -912,13 +1255,13 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, del
         return o, ht, (G, eta, o, None, None, h)
     o = torch.empty_like(v)
     _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, v, last_k, count, G, eta, vn, h, o, scale, cu_seqlens, ci, co, T,
-        DELTA=delta, **common)
+        q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale, cu_seqlens, ci, co, T,
+        DELTA=delta, WIN=win, **common)
     return o, ht, (G, eta, A, W, vn, h)
 
 
-def _chunk_bwd(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, delta, per_col,
-               lam_coupled, shift, cu_seqlens, chunk_size):
+def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
+               per_col, win, lam_coupled, shift, cu_seqlens, chunk_size):
     G, eta, A, W, vn, h = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
@@ -929,10 +1272,13 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps
                   IS_VARLEN=cu_seqlens is not None)
     f32 = dict(device=dev, dtype=torch.float32)
     do = do.contiguous()
-    du = torch.empty(B, T, HV, V, **f32)
-    dv_local = _bwd_dv_local_col if per_col else _bwd_dv_local
-    dv_local[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
+    if win:
+        du = torch.empty(0, **f32)   # falcon3a computes its dv in _bwd_win; _bwd_dhu does not read du
+    else:
+        du = torch.empty(B, T, HV, V, **f32)
+        dv_local = _bwd_dv_local_col if per_col else _bwd_dv_local
+        dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+            q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -942,19 +1288,32 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
-    dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt)   # with the shift nothing writes the last row
-    dv = torch.empty_like(v)
+    # with the shift nothing writes the last row; falcon3a adds dk2 to it: fp32 then
+    dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt if win <= 1 else torch.float32)
+    dv = torch.empty_like(v) if win <= 1 else torch.empty(v.shape, **f32)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
+    if win:
+        # the pairs before each chunk get their gradient from the next chunk: separate buffers, added here
+        dk2 = torch.zeros(B, T, HV, K, **f32) if win > 1 else None
+        dv2 = torch.zeros(B, T, HV, V, **f32) if win > 1 else None
+        dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init else None
+        dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init else None
+        _bwd_win[(NT, B * HV)](
+            q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do, dq, dk, dv, dk2, dv2, dlast_k,
+            dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates, **common)
+        if win > 1:
+            dk, dv = dk + dk2, dv + dv2
+        return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
     if per_col:
         o32 = A
         ds_buf = torch.empty(B, T, HV, BT, **f32)
         _bwd_col[(NT, B * HV)](
             q, k, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, ds_buf, dq, dk, dv, dlast_k, dbeta,
             dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
-        return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)
+        return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     dx = torch.empty(B, T, HV, K, **f32) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None
     dw = torch.empty(B, T, HV, K, **f32) if delta else None
@@ -965,45 +1324,49 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps
         _bwd_gates[(NT, B * HV)](
             k, v, beta, lam, last_k, count, G, eta, A, torch.empty_like(A), dx, dG, dw, du, dv, dk, dlast_k,
             dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
-    return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)
+    return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
-def _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV):
-    """Grouped value heads: the key-side gradients were computed per value head; sum each group."""
+def _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x=None):
+    """Grouped value heads: the key-side gradients were computed per value head; sum each group.
+    Returns (dq, dk, dv, dbeta, dlam, dh0, dlast_k, dtail_x)."""
     G_ = HV // H
     if G_ > 1:
         dq = dq.unflatten(2, (H, G_)).sum(3)
         dk = dk.unflatten(2, (H, G_)).sum(3)
         if dlast_k is not None:
             dlast_k = dlast_k.unflatten(1, (H, G_)).sum(2)
-    return dq, dk, dv, dbeta, dlam, dh0, dlast_k
+        if dtail_x is not None:
+            dtail_x = dtail_x.unflatten(1, (H, G_)).sum(2)
+    return dq, dk, dv, dbeta, dlam, dh0, dlast_k, dtail_x
 
 
 class ChunkFalconFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, delta, per_col, lam_coupled,
-                shift, output_final_state, cu_seqlens, chunk_size):
-        o, ht, saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, delta, per_col,
-                                  lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
-        ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved)
-        ctx.cfg = (scale, eps, eps_gamma, delta, per_col, lam_coupled, shift, chunk_size)
+    def forward(ctx, q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col,
+                win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size):
+        o, ht, saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
+                                  delta, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved)
+        ctx.cfg = (scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size)
         if per_col:
             o = o.to(v.dtype)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved = ctx.saved_tensors
-        scale, eps, eps_gamma, delta, per_col, lam_coupled, shift, chunk_size = ctx.cfg
+        q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved = ctx.saved_tensors
+        scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size = ctx.cfg
         # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
         dht = dht.contiguous() if dht is not None else None
-        dq, dk, dv, dbeta, dlam, dh0, dlast_k = _chunk_bwd(
-            q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, delta, per_col,
-            lam_coupled, shift, cu_seqlens, chunk_size)
+        dq, dk, dv, dbeta, dlam, dh0, dlast_k, dtail_x, dtail_v = _chunk_bwd(
+            q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
+            per_col, win, lam_coupled, shift, cu_seqlens, chunk_size)
         cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam), cast(dh0, S0),
-                cast(dlast_k, last_k), None, None, None, None, None, None, None, None, None, None, None)
+                cast(dlast_k, last_k), cast(dtail_x, tail_x), cast(dtail_v, tail_v),
+                None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def chunk_falcon(
@@ -1028,11 +1391,12 @@ def chunk_falcon(
     r"""Chunk-parallel Falcon (Triton), same arguments, semantics and state as
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
-    Supports ``falcon1``, ``falcon1a`` and ``falcon2a`` (the others raise ``NotImplementedError``).
+    Supports ``falcon1``, ``falcon1a``, ``falcon2a`` and ``falcon3a`` with ``window <= 8`` (the others
+    raise ``NotImplementedError``).
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
-    state's ``S`` and ``last_k``.
+    state's ``S``, ``last_k``, ``tail_x`` and ``tail_v``.
     """
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
@@ -1041,7 +1405,11 @@ def chunk_falcon(
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
-    regression, per_col, _ = rule_info(rule)
+    regression, per_col, windowed = rule_info(rule)
+    # the pairs before a chunk are one 16-row block (and the kernels unroll W terms)
+    if windowed and window > 8:
+        raise NotImplementedError(f"chunk_falcon supports {rule} windows up to 8, got window={window}")
+    win = window if windowed else 0
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if K > 256:
@@ -1059,20 +1427,22 @@ def chunk_falcon(
         S0 = initial_state.S.float().contiguous()
         last_k0 = initial_state.last_k.float().contiguous()
         count = initial_state.count.to(torch.int32).contiguous()
+        tail_x0 = initial_state.tail_x.float().contiguous() if win > 1 else None
+        tail_v0 = initial_state.tail_v.float().contiguous() if win > 1 else None
     else:
-        S0 = last_k0 = count = None
+        S0 = last_k0 = count = tail_x0 = tail_v0 = None
     o, ht = ChunkFalconFunction.apply(
-        q, k, v, beta, lam, S0, last_k0, count, scale, float(eps), float(eps_gamma), regression, per_col,
-        lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+        q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps), float(eps_gamma), regression,
+        per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
     final_state = None
     if output_final_state:
-        final_state = _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T)
+        final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift)
         if fp64:   # FalconState's contract (as naive and fused): fp64 with fp64 inputs
             final_state = FalconState(*(t.double() for t in final_state[:4]), final_state.count)
     return o.to(out_dtype), final_state
 
 
-def _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T):
+def _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift):
     dev = k.device
     if cu_seqlens is None:
         lens = torch.full((N,), T, device=dev, dtype=torch.long)
@@ -1087,8 +1457,36 @@ def _final_state(k, ht, initial_state, cu_seqlens, N, H, HV, K, V, T):
         prev_k, prev_count = k.new_zeros(N, H, K, dtype=torch.float32), torch.zeros(N, device=dev, dtype=torch.int32)
     # the last key seen (with or without the shift); counts are read clamped into [0, W]
     last_k = torch.where((lens > 0)[:, None, None], last_rows.float(), prev_k)
-    count = torch.where(lens > 0, torch.ones_like(prev_count), prev_count.clamp(0, 1))
-    return FalconState(ht, last_k, ht.new_zeros(N, H, 0, K), ht.new_zeros(N, HV, 0, V), count)
+    prev_count = prev_count.clamp(0, window)
+    count = torch.minimum(prev_count + lens.to(torch.int32), torch.full_like(prev_count, window))
+    if window == 1:
+        return FalconState(ht, last_k, ht.new_zeros(N, H, 0, K), ht.new_zeros(N, HV, 0, V), count)
+    # falcon3a's tail: the pairs at positions len - W + 1 .. len - 1 of the sequence (p < 0: the old tail),
+    # right-aligned, zeros where there is no pair; gathered here, so autograd sees the indexing
+    W1 = window - 1
+    bos = torch.zeros_like(lens) if cu_seqlens is None else cu_seqlens[:-1].long()
+    pos = lens[:, None] - W1 + torch.arange(W1, device=dev)                     # [N, W1]
+    n_tail = (prev_count - 1).clamp(min=0) if shift else prev_count.clamp(max=W1)
+    valid = torch.where(pos >= 0, (pos > 0) | (not shift) | (prev_count[:, None] > 0), pos >= -n_tail[:, None].long())
+    kf, vf = k.float().reshape(-1, H, K), v.float().reshape(-1, HV, V)
+    seq = torch.arange(N, device=dev)[:, None] if cu_seqlens is None else torch.zeros_like(pos)
+    row = (seq * T + bos[:, None] + pos).clamp(min=0)                           # the token of pair pos
+    krow = (row - int(shift)).clamp(min=0)
+    if T > 0:
+        x_tok = kf[krow.clamp(max=kf.shape[0] - 1)].transpose(1, 2)                  # [N, H, W1, K]
+        v_tok = vf[row.clamp(max=vf.shape[0] - 1)].transpose(1, 2)                   # [N, HV, W1, V]
+    else:
+        x_tok, v_tok = ht.new_zeros(N, H, W1, K), ht.new_zeros(N, HV, W1, V)
+    if initial_state is not None:
+        if shift:   # pair 0 is the carried last key
+            x_tok = torch.where((pos == 0)[:, None, :, None], initial_state.last_k.float()[:, :, None], x_tok)
+        old = (pos + W1).clamp(0, W1 - 1)
+        x_old = initial_state.tail_x.float().gather(2, old[:, None, :, None].expand(N, H, W1, K))
+        v_old = initial_state.tail_v.float().gather(2, old[:, None, :, None].expand(N, HV, W1, V))
+        x_tok = torch.where((pos < 0)[:, None, :, None], x_old, x_tok)
+        v_tok = torch.where((pos < 0)[:, None, :, None], v_old, v_tok)
+    m = valid[:, None, :, None]
+    return FalconState(ht, last_k, torch.where(m, x_tok, 0.), torch.where(m, v_tok, 0.), count)
 
 
 chunk_falcon.supported_rules = SUPPORTED_RULES

@@ -1,0 +1,589 @@
+# -*- coding: utf-8 -*-
+"""Chunk-parallel Triton kernels of falcon2, the per-column delta (NLMS) rule.
+
+Per value head and value column c, with the shifted key ``x_t`` shared by all columns, the gain
+``beta[t, c]``, ``eta[t, c] = beta[t, c] / (||x_t||^2 + lam'_t + eps)``, ``g[t, c] = log(1 - alpha)``
+(``alpha = min(eta lam', 1 - eps_gamma)``) and ``G`` its cumulative sum inside a chunk::
+
+    s_c <- exp(g[t, c]) s_c + x_t u[t, c],   u[t, c] = eta[t, c] r[t, c],   r[t, c] = v[t, c] - x_t . s_c
+
+(the residual at the pre-update state), read after write ``o_t = scale S_t^T q_t``.
+
+Chunk form. Inside a chunk that starts at ``S0``, with ``Gx_t = G_{t-1}`` (0 on the chunk's first row),
+the prediction ``p_t = x_t . s_{t-1} = exp(Gx_t) (X S0)_t + sum_{j<t} (x_t . x_j) exp(Gx_t - G_j) u_j``,
+so per column the written values solve the unit lower-triangular system
+
+    (I + L_c) u_c = eta_c (v_c - exp(Gx_c) (X S0)_c),    L_c[t, j] = eta[t, c] exp(Gx[t, c] - G[j, c]) (x_t . x_j)
+
+(the injected-value and projected-history paths in ONE solve). The key Gram ``X X^T`` is shared by
+the columns; the solve is a forward substitution over the chunk's rows vectorized over a block of
+value columns, inside the sequential state kernel (its right side needs ``S0``). Then, exactly as
+falcon2a with ``u`` in place of ``eta v``:
+
+    S_next[:, c] = exp(G[C, c]) S0[:, c] + sum_j exp(G[C, c] - G[j, c]) x_j u[j, c]
+    o[t, c]      = scale (exp(G[t, c]) q_t . S0[:, c] + sum_{j <= t} exp(G[t, c] - G[j, c]) (q_t . x_j) u[j, c])
+
+Every exponent is a difference ``G_a - G_b`` with b <= a, so every factor is <= 1. The forward stores
+the residual ``r`` (``u = eta r``, and ``p = v - r`` which the backward needs, also where eta = 0) and
+the chunk-start states.
+
+Backward, per chunk and column, with ``du`` the direct gradient of u (the outputs' part
+``_bwd_dv_local_col2`` plus the state path ``exp(G_C - G_j) x_j . dS_next``): the transposed solve
+``(I + L)^T drhs = du`` (sequential over chunks, since du needs dS_next), and
+
+    dS0  = exp(G_C) dS_next + scale sum_t exp(G_t) q_t do_t - X^T (eta exp(Gx) drhs)
+    dv   = eta drhs,    deta = drhs r  (the rhs and the L paths together),
+    dM[t, j] = -sum_c eta drhs[t, c] exp(Gx[t, c] - G[j, c]) u[j, c]   (j < t; M = X X^T, dX += (dM + dM^T) X)
+    dX  += -(eta exp(Gx) drhs) S0^T  (the X S0 path)   + the output / state paths of falcon2a,
+    dG   = o do - u drhs + [last row] <S_next, dS_next>  - eta drhs p
+           (-u du of the outputs / state and +u (du - drhs) of L's -G_j give -u drhs; the last term is
+           through Gx = G - g, so it is also added back to dg directly),
+
+then the gates' chain rule as for falcon2a (reverse cumsum, log1p(-alpha), the clamp, eta, E, lam,
+lam_coupled) and the key gradient shifted back onto k / the carried last key.
+
+Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the chunks' key Gram,
+once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
+solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col2`` (chunk.py's
+``_bwd_dv_local_col`` with a masking fix),
+``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve) and ``_bwd_delta_col``
+(parallel: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile;
+each step reads one Gram row and one G row from memory and rescales the decayed history tile by
+``exp(G_i - G_{i-1}) <= 1`` (a product of per-step factors, each <= 1, instead of BT x BV exps per step).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fla_falcon.ops.falcon.chunk import (
+    CONFIGS,
+    CONFIGS_H,
+    _final_state,
+    _fwd_o_col,
+    _load_x,
+    _meta,
+    _prep_fwd,
+    _reduce_groups,
+    _seq_info,
+    _stats,
+)
+from fla_falcon.ops.falcon.utils import (
+    DEFAULT_EPS,
+    DEFAULT_EPS_GAMMA,
+    FalconState,
+    validate_falcon_inputs,
+)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'K', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
+          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+          SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The shared key Gram X X^T of each chunk ([rows, BT], fp32), once per key head: the sequential
+    kernels read one row per substitution step from it instead of extracting it from a register tile."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_M = tl.dot(b_x, tl.trans(b_x))
+    tl.store(M + ((bos + o_t) * H + i_h)[:, None] * BT + o_s[None, :], b_M, mask=m_t[:, None])
+
+
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
+                     cu_seqlens, chunk_offsets, T,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                     IS_VARLEN: tl.constexpr):
+    """Sequential over chunks: stores the chunk-start states h, solves (I + L_c) u_c = rhs_c for a block
+    of value columns by forward substitution, stores the residual r (u = eta r), advances the state."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    o_s = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = (o_k < K)[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
+    for i_t in range(NT):
+        tl.store(h + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + o_s
+        m_t = o_t < T
+        last = min(i_t * BT + BT, T) - 1
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        # Gx_t = G_{t-1} inside the chunk (0 on its first row): the decay between S0 / u_j and the read at t
+        b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
+        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_p = tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(b_Gx)               # prediction from S0
+        # forward substitution, every column at once: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i, zero
+        # below), kept by multiplying with exp(G_i - G_{i-1}) <= 1 per step rather than a [BT, BV] exp per step;
+        # row i adds the in-chunk history sum_j (x_i.x_j) b_w[j] to its prediction, then u_i = eta_i (v_i - p_i)
+        b_w = tl.zeros([BT, BV], dtype=tl.float32)
+        b_gp = tl.zeros([BV], dtype=tl.float32)
+        for i in range(BT):
+            m_i = (o_s == i)[:, None]
+            # row i of the Gram (M[i, j] over j) and G_i, read from memory (vector masks: see _load_x)
+            b_mi = tl.load(M + ((bos + i_t * BT + i) * H + i_h) * BT + o_s, mask=(i_t * BT + i + o_s * 0) < T,
+                           other=0)
+            b_gi = tl.load(G + ((bos + i_t * BT + i) * HV + i_hv) * V + o_v,
+                           mask=m_v & ((i_t * BT + i + o_v * 0) < T), other=0)
+            b_p = tl.where(m_i, b_p + tl.sum(b_mi[:, None] * b_w, 0)[None, :], b_p)
+            # min(., 0): rows past the end read G = 0 and must not grow b_w
+            b_w = tl.where(m_i, b_eta * (b_v - b_p), b_w * tl.exp(tl.minimum(b_gi - b_gp, 0.))[None, :])
+            b_gp = b_gi
+        tl.store(r + p_tv, b_v - b_p, mask=m_tv)
+        # now b_w[j] = exp(G_last - G_j) u_j: the chunk's write into the state
+        b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
+    if STORE_FINAL_STATE:
+        tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
+
+
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale,
+                       cu_seqlens, chunk_offsets, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
+    plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
+    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+    o_s = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = (o_k < K)[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
+    for i_t in range(NT - 1, -1, -1):
+        tl.store(dh + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + o_s
+        m_t = o_t < T
+        last = min(i_t * BT + BT, T) - 1
+        b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                      mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        # the state path of du: u_j enters S_next through exp(G_C - G_j) x_j
+        b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_dh.to(b_x.dtype)) * tl.exp(b_Gl[None, :] - b_G)
+        # backward substitution: drhs_j = du_j - sum_{t>j} (x_t.x_j) exp(Gx_t - G_j) eta_t drhs_t. At step j,
+        # b_z[t] = exp(Gx_t - G_j) eta_t drhs_t (t > j, zero above), kept by multiplying with
+        # exp(G_j - G_{j-1}) <= 1 per step (G_{-1} = 0)
+        b_z = tl.zeros([BT, BV], dtype=tl.float32)
+        for jj in range(BT):
+            j = BT - 1 - jj
+            m_j = (o_s == j)[:, None]
+            # row j of the Gram (M[t, j] = M[j, t] over t), G_j and G_{j-1}, read from memory
+            b_mj = tl.load(M + ((bos + i_t * BT + j) * H + i_h) * BT + o_s, mask=(i_t * BT + j + o_s * 0) < T,
+                           other=0)
+            m_jv = m_v & ((i_t * BT + j + o_v * 0) < T)
+            b_gj = tl.load(G + ((bos + i_t * BT + j) * HV + i_hv) * V + o_v, mask=m_jv, other=0)
+            b_gp = tl.load(G + ((bos + i_t * BT + j - 1) * HV + i_hv) * V + o_v, mask=m_jv & ((j + o_v * 0) >= 1),
+                           other=0)
+            b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
+            b_z = tl.where(m_j, b_eta * b_dr, b_z * tl.exp(tl.minimum(b_gj - b_gp, 0.))[None, :])
+        tl.store(dr + p_tv, b_dr, mask=m_tv)
+        # now b_z = exp(Gx) eta drhs: the X S0 path of dS0
+        b_dod = (b_do * tl.exp(b_G) * scale).to(b_q.dtype)
+        b_ax = b_z.to(b_x.dtype)
+        b_dh = b_dh * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_q), b_dod) - tl.dot(tl.trans(b_x), b_ax)
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dv_local_col2(q, k, last_k, count, G, do, du, scale,
+                       cu_seqlens, chunk_indices, chunk_offsets, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t, per column: chunk.py's `_bwd_dv_local_col`
+    with the rows past the end of a sequence kept out of the sub-chunk factors (G reads 0 there: with
+    G_r < -88 earlier in the chunk, exp(G_t - G_r) overflowed and 0 * inf = nan spread through the dot)."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+    b_At = tl.dot(b_x, tl.trans(b_q))           # [s, t]
+    b_du = tl.zeros([BT, BV], dtype=tl.float32)
+    for a in tl.static_range(1, BT // 16):
+        # the reference row is at most the last real row; rows past the end are masked out of exp(G_t - G_r)
+        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        m_a = ((o_s // 16) == a) & m_t
+        m_b = o_s < a * 16
+        b_Aa = tl.where(m_b[:, None] & m_a[None, :], b_At, 0.)
+        b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+        b_dua = tl.dot(b_Aa.to(b_q.dtype), b_doa.to(b_q.dtype))
+        b_du += tl.where(m_b[:, None], b_dua * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+    for d in range(16):
+        t_s = (o_s // 16) * 16 + d
+        m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
+        b_ad = tl.sum(tl.where(o_s[None, :] == t_s[:, None], b_At, 0.), 1)
+        p_s = ((bos + i_t * BT + t_s) * HV + i_hv)[:, None] * V + o_v[None, :]
+        m_sv = m_d[:, None] & m_v[None, :]
+        b_Gt = tl.load(G + p_s, mask=m_sv, other=0)
+        b_dot = tl.load(do + p_s, mask=m_sv, other=0).to(tl.float32)
+        b_du += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_Gt - b_G, 0.)) * b_dot, 0.)
+    tl.store(du + p_tv, b_du * scale, mask=m_tv)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _bwd_delta_col(q, k, v, beta, lam, last_k, count, G, eta, r, dr, h, dh, o, do, ds_buf, dm_buf,
+                   dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
+                   cu_seqlens, chunk_indices, chunk_offsets, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """falcon2 per chunk, one pass over the value blocks: dq; dx from the outputs, the state, the X S0
+    path and the Gram (dM); the per-column decay gradient dG = o do - u drhs - eta drhs p (+ <S_next,
+    dS_next> on the last row), its reverse cumsum and the gates' chain rule; dv = eta drhs."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+    dt = b_q.dtype
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_x = b_xl.to(tl.float32)
+    b_E, b_lp, b_den = _stats(b_x, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    # per-row float factors instead of bool masks (Triton cannot move i1 tensors between layouts)
+    ok = valid & (b_den > 0)
+    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
+    b_validf = valid.to(tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dmd = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dden = tl.zeros([BT], dtype=tl.float32)
+    b_dlp = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = (o_k < K)[:, None] & m_v[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_o = tl.load(o + p_tv, mask=m_tv, other=0)
+        b_r = tl.load(r + p_tv, mask=m_tv, other=0)
+        b_dr = tl.load(dr + p_tv, mask=m_tv, other=0)
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
+        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_eta = b_beta * b_rden[:, None]
+        b_al = b_eta * b_lp[:, None]
+        clamped = b_al > 1 - eps_gamma
+        b_al = tl.minimum(b_al, 1 - eps_gamma)
+        b_u = b_eta * b_r
+        b_a = b_eta * b_dr
+        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
+        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h.to(dt)))
+        # dx: the state path and the X S0 path of the right side
+        b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh.to(dt)))
+        b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h.to(dt)))
+        # ds[t, j] = sum_c do_t u_j exp(G_t - G_j) and dM[t, j] = -sum_c a_t u_j exp(Gx_t - G_j): sub-chunks
+        # below the diagonal by tensor cores through the last row r before the sub-chunk (t - 1 >= r > j)
+        for a in tl.static_range(1, BT // 16):
+            # rows past the end read G = 0: the reference row is at most the last real row and those rows are
+            # masked out of every exp(G_t - G_r), so that no factor exceeds 1 (0 * inf would poison the dots)
+            b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+            m_a = ((o_s // 16) == a) & m_t
+            m_b = o_s < a * 16
+            b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+            b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+            b_aa = tl.where(m_a[:, None], b_a * tl.exp(tl.where(m_a[:, None], b_Gx - b_Gr[None, :], 0.)), 0.)
+            b_ds += tl.dot(b_doa.to(dt), tl.trans(b_ua.to(dt)))
+            b_dm += tl.dot(b_aa.to(dt), tl.trans(b_ua.to(dt)))
+        # ... and the diagonal 16x16 blocks one offset at a time, elementwise in fp32
+        for d in range(16):
+            s_t = (o_s // 16) * 16 + d
+            m_d = (s_t <= o_s) & m_t   # t real (and so s <= t): exp(G_t - G_s) <= 1
+            p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            m_sv = m_d[:, None] & m_v[None, :]
+            b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
+            b_us = tl.load(r + p_s, mask=m_sv, other=0) * tl.load(eta + p_s, mask=m_sv, other=0)
+            b_val = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
+            b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_val[:, None]
+            m_dd = m_d & (s_t < o_s)
+            m_sv2 = m_dd[:, None] & m_v[None, :]
+            b_val2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
+            b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_val2[:, None]
+        # per-column decay gradient: outputs/state with u fixed (o do - u du), the L path (+u (du - drhs)),
+        # and Gx = G - g of the right side and L (-a p, p = v - r the prediction), which g_t itself does not enter
+        b_dGx = -b_a * (b_v - b_r)
+        b_dG = b_o * b_do - b_u * b_dr + b_dGx
+        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
+        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
+        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
+        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
+        b_deta = b_dr * b_r + b_dalpha * b_lp[:, None]
+        b_dlp += tl.sum(b_dalpha * b_eta, 1)
+        b_dbeta = b_deta * b_rden[:, None]
+        b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
+        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv, b_a.to(dv.dtype.element_ty), mask=m_tv)
+    b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
+    b_dm = -tl.where(o_s[:, None] > o_s[None, :], b_dm + b_dmd, 0.)
+    b_dq = b_dq * scale + tl.dot(b_ds.to(dt), b_xl)
+    # ds^T and dM^T through scratch buffers (a transposed dot result fed into tl.dot miscompiles on Hopper)
+    p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
+    p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
+    tl.store(ds_buf + p_A, b_ds, mask=m_t[:, None])
+    tl.store(dm_buf + p_A, b_dm, mask=m_t[:, None])
+    tl.debug_barrier()
+    b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
+    b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
+    b_dx = tl.dot(b_dst.to(dt), b_q) + b_dxs + tl.dot((b_dm + b_dmt).to(dt), b_xl)
+    b_dlp += b_dden
+    b_dx += (2 * b_dden)[:, None] * b_x
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    if HAS_LAM:
+        if LAM_COUPLED:
+            b_dlp = b_dlp * b_E
+        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
+    r_k = o_t - SHIFT
+    tl.store(dk + ((bos + r_k) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
+             mask=m_tk & (r_k >= 0)[:, None])
+    if SHIFT:
+        if USE_INITIAL_STATE:
+            b_first = tl.sum(tl.where((o_t == 0)[:, None] & valid[:, None], b_dx, 0.), 0)
+            if i_t == 0:
+                tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+
+def _common(m, shift, use_init, cu_seqlens):
+    return dict(H=m['H'], HV=m['HV'], K=m['K'], V=m['V'], BT=m['BT'], BK=m['BK'], BV=m['BV'], SHIFT=int(shift),
+                USE_INITIAL_STATE=use_init, IS_VARLEN=cu_seqlens is not None)
+
+
+def _chunk_fwd2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
+                output_final_state, cu_seqlens, chunk_size):
+    m = _meta(q, v, chunk_size, cu_seqlens)
+    B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    dev = q.device
+    common = _common(m, shift, S0 is not None, cu_seqlens)
+    f32 = dict(device=dev, dtype=torch.float32)
+    G = torch.empty(B, T, HV, V, **f32)
+    eta = torch.empty_like(G)
+    _prep_fwd[(NT, B * HV)](
+        k, v, beta, lam, last_k, count, None, G, eta, None, None, None, cu_seqlens, ci, co, eps, eps_gamma, T,
+        DELTA=False, PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+    M = torch.empty(B, T, m['H'], m['BT'], **f32)
+    gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT', 'USE_INITIAL_STATE',
+                                                                  'IS_VARLEN')}
+    _gram[(NT, B * m['H'])](k, last_k, count, M, cu_seqlens, ci, co, T, **gram_kw)
+    h = torch.empty(m['NTH'], HV, K, V, device=dev, dtype=q.dtype)
+    ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
+    r = torch.empty(B, T, HV, V, **f32)
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+        k, v, last_k, count, M, G, eta, h, S0, ht, r, cu_seqlens, co, T, STORE_FINAL_STATE=output_final_state,
+        **common_h)
+    # falcon2a's output kernel reads u = v * eta: fed the residual, it reads u = eta r. fp32 output: the
+    # decay gradient reads it back
+    o = torch.empty(B, T, HV, V, **f32)
+    _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, r, last_k, count, G, eta, h, o, scale, cu_seqlens, ci, co, T, **common)
+    return o, ht, (M, G, eta, r, h, o)
+
+
+def _chunk_bwd2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
+                cu_seqlens, chunk_size):
+    M, G, eta, r, h, o = saved
+    m = _meta(q, v, chunk_size, cu_seqlens)
+    B, T, H, HV, K, V, BT, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    dev = q.device
+    use_init = S0 is not None
+    common = _common(m, shift, use_init, cu_seqlens)
+    f32 = dict(device=dev, dtype=torch.float32)
+    do = do.contiguous()
+    du = torch.empty(B, T, HV, V, **f32)
+    _bwd_dv_local_col2[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
+    dr = torch.empty(B, T, HV, V, **f32)
+    dh = torch.empty_like(h)
+    dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+        q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T,
+        USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
+    kdt = q.dtype if HV == H else torch.float32
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
+    dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt)   # with the shift nothing writes the last row
+    dv = torch.empty_like(v)
+    dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
+    dbeta = torch.empty(beta.shape, **f32)
+    dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
+    ds_buf = torch.empty(B, T, HV, BT, **f32)
+    dm_buf = torch.empty(B, T, HV, BT, **f32)
+    _bwd_delta_col[(NT, B * HV)](
+        q, k, v, beta, lam, last_k, count, G, eta, r, dr, h, dh, o, do, ds_buf, dm_buf, dq, dk, dv, dlast_k,
+        dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, HAS_LAM=lam is not None,
+        LAM_COUPLED=lam_coupled, **common)
+    return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
+
+
+class ChunkFalcon2Function(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
+                output_final_state, cu_seqlens, chunk_size):
+        o, ht, saved = _chunk_fwd2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled,
+                                   shift, output_final_state, cu_seqlens, chunk_size)
+        ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved)
+        ctx.cfg = (scale, eps, eps_gamma, lam_coupled, shift, chunk_size)
+        return o.to(v.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved = ctx.saved_tensors
+        scale, eps, eps_gamma, lam_coupled, shift, chunk_size = ctx.cfg
+        # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
+        dht = dht.contiguous() if dht is not None else None
+        dq, dk, dv, dbeta, dlam, dh0, dlast_k = _chunk_bwd2(
+            q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
+            cu_seqlens, chunk_size)
+        cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
+        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam), cast(dh0, S0),
+                cast(dlast_k, last_k), None, None, None, None, None, None, None, None, None)
+
+
+def chunk_falcon2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    eps: float = DEFAULT_EPS,
+    eps_gamma: float = DEFAULT_EPS_GAMMA,
+    lam_coupled: bool = False,
+    shift: bool = True,
+    initial_state: FalconState | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, FalconState | None]:
+    r"""Chunk-parallel falcon2 (Triton): ``naive_recurrent_falcon(..., rule='falcon2')``'s arguments,
+    semantics and state (``beta`` is ``[B, T, HV, V]``).
+
+    Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
+    computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
+    inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
+    state's ``S`` and ``last_k``.
+    """
+    scale, N = validate_falcon_inputs(
+        q, k, v, beta, lam, rule='falcon2', window=1, scale=scale, eps=eps, eps_gamma=eps_gamma,
+        lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if K > 256:
+        raise ValueError(f"chunk_falcon2 supports head dims K <= 256, got K={K}")
+    out_dtype, fp64 = v.dtype, q.dtype == torch.float64
+    if fp64:   # the kernels compute in fp32
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    lam = lam.contiguous() if lam is not None else None
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32 if cu_seqlens.dtype != torch.int64 else torch.int64)
+    if initial_state is not None:
+        S0 = initial_state.S.float().contiguous()
+        last_k0 = initial_state.last_k.float().contiguous()
+        count = initial_state.count.to(torch.int32).contiguous()
+    else:
+        S0 = last_k0 = count = None
+    o, ht = ChunkFalcon2Function.apply(
+        q, k, v, beta, lam, S0, last_k0, count, scale, float(eps), float(eps_gamma), lam_coupled, shift,
+        output_final_state, cu_seqlens, chunk_size)
+    final_state = None
+    if output_final_state:
+        final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, 1, shift)
+        if fp64:   # FalconState's contract (as naive and fused): fp64 with fp64 inputs
+            final_state = FalconState(*(t.double() for t in final_state[:4]), final_state.count)
+    return o.to(out_dtype), final_state
