@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from fla_falcon.ops.falcon.chunk import SUPPORTED_RULES, chunk_falcon
 
-TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon1a': ('chunk_simple_gla', 1.0),
+TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon2': ('chunk_gated_delta_rule', 1.5),
+           'falcon1a': ('chunk_simple_gla', 1.0),
            'falcon2a': ('chunk_simple_gla', 1.2), 'falcon3a': ('chunk_simple_gla', 1.3)}
 DEFAULT_SHAPES = ['4,4096,16,128,128', '1,16384,16,128,128']
 

@@ -66,7 +66,7 @@ from fla_falcon.ops.falcon.utils import (
     validate_falcon_inputs,
 )
 
-SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2a', 'falcon3a')
+SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2', 'falcon2a', 'falcon3a')
 
 # 8 warps keep the backward kernels free of register spills at K = V = 128 (ptxas, sm_90a); the
 # interpreter keeps only the first config
@@ -1391,8 +1391,8 @@ def chunk_falcon(
     r"""Chunk-parallel Falcon (Triton), same arguments, semantics and state as
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
-    Supports ``falcon1``, ``falcon1a``, ``falcon2a`` and ``falcon3a`` with ``window <= 8`` (the others
-    raise ``NotImplementedError``).
+    Supports ``falcon1``, ``falcon1a``, ``falcon2`` (kernels in ``chunk_col.py``), ``falcon2a`` and
+    ``falcon3a`` with ``window <= 8`` (falcon3 raises ``NotImplementedError``).
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
@@ -1403,6 +1403,12 @@ def chunk_falcon(
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if rule not in SUPPORTED_RULES:
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
+    if rule == 'falcon2':
+        # per-column triangular systems: their own kernels (chunk_col.py, which imports this module)
+        from fla_falcon.ops.falcon.chunk_col import chunk_falcon2
+        return chunk_falcon2(q, k, v, beta, lam, scale=scale, eps=eps, eps_gamma=eps_gamma, lam_coupled=lam_coupled,
+                             shift=shift, initial_state=initial_state, output_final_state=output_final_state,
+                             cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
     regression, per_col, windowed = rule_info(rule)
