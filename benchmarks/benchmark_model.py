@@ -67,7 +67,7 @@ def time_model(config, batch: int, seqlen: int, steps: int, warmup: int) -> dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--rules', nargs='+', default=['falcon1', 'falcon1a', 'falcon2a'],
+    p.add_argument('--rules', nargs='+', default=['falcon1', 'falcon1a', 'falcon2', 'falcon2a', 'falcon3a'],
                    help='Falcon rules (attn_mode) to time')
     p.add_argument('--hidden-size', type=int, default=1024)
     p.add_argument('--layers', type=int, default=24)
