@@ -1051,7 +1051,7 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
 # block of pairs before the chunk) and land in dk2/dv2 (or in the tail's gradient), added on the host.
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _bwd_win(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do,
              dq, dk, dv, dk2, dv2, dlast_k, dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma,

@@ -60,6 +60,7 @@ import triton.language as tl
 
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
+    CONFIGS_8W,
     CONFIGS_H,
     _final_state,
     _fwd_o_col,
@@ -286,7 +287,7 @@ def _bwd_dv_local_col2(q, k, last_k, count, G, do, du, scale,
     tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_delta_col(q, k, v, beta, lam, last_k, count, G, eta, r, dr, h, dh, o, do, ds_buf, dm_buf,
                    dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
