@@ -28,7 +28,7 @@ the residual ``r`` (``u = eta r``, and ``p = v - r`` which the backward needs, a
 the chunk-start states.
 
 Backward, per chunk and column, with ``du`` the direct gradient of u (the outputs' part
-``_bwd_dv_local_col2`` plus the state path ``exp(G_C - G_j) x_j . dS_next``): the transposed solve
+``_bwd_dv_local_col`` plus the state path ``exp(G_C - G_j) x_j . dS_next``): the transposed solve
 ``(I + L)^T drhs = du`` (sequential over chunks, since du needs dS_next), and
 
     dS0  = exp(G_C) dS_next + scale sum_t exp(G_t) q_t do_t - X^T (eta exp(Gx) drhs)
@@ -44,8 +44,7 @@ lam_coupled) and the key gradient shifted back onto k / the carried last key.
 
 Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the chunks' key Gram,
 once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
-solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col2`` (chunk.py's
-``_bwd_dv_local_col`` with a masking fix),
+solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col`` (chunk.py),
 ``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve) and ``_bwd_delta_col``
 (parallel: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile;
 each step reads one Gram row and one G row from memory and rescales the decayed history tile by
@@ -62,6 +61,7 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     CONFIGS_8W,
     CONFIGS_H,
+    _bwd_dv_local_col,
     _final_state,
     _fwd_o_col,
     _load_x,
@@ -234,57 +234,6 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
         b_dh = b_dh * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_q), b_dod) - tl.dot(tl.trans(b_x), b_ax)
     if USE_INITIAL_STATE:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
-
-
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
-@triton.jit
-def _bwd_dv_local_col2(q, k, last_k, count, G, do, du, scale,
-                       cu_seqlens, chunk_indices, chunk_offsets, T,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t, per column: chunk.py's `_bwd_dv_local_col`
-    with the rows past the end of a sequence kept out of the sub-chunk factors (G reads 0 there: with
-    G_r < -88 earlier in the chunk, exp(G_t - G_r) overflowed and 0 * inf = nan spread through the dot)."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
-    o_t = i_t * BT + o_s
-    m_t = o_t < T
-    last = min(i_t * BT + BT, T) - 1
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    m_tv = m_t[:, None] & m_v[None, :]
-    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-    b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-    b_At = tl.dot(b_x, tl.trans(b_q))           # [s, t]
-    b_du = tl.zeros([BT, BV], dtype=tl.float32)
-    for a in tl.static_range(1, BT // 16):
-        # the reference row is at most the last real row; rows past the end are masked out of exp(G_t - G_r)
-        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        m_a = ((o_s // 16) == a) & m_t
-        m_b = o_s < a * 16
-        b_Aa = tl.where(m_b[:, None] & m_a[None, :], b_At, 0.)
-        b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-        b_dua = tl.dot(b_Aa.to(b_q.dtype), b_doa.to(b_q.dtype))
-        b_du += tl.where(m_b[:, None], b_dua * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-    for d in range(16):
-        t_s = (o_s // 16) * 16 + d
-        m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
-        b_ad = tl.sum(tl.where(o_s[None, :] == t_s[:, None], b_At, 0.), 1)
-        p_s = ((bos + i_t * BT + t_s) * HV + i_hv)[:, None] * V + o_v[None, :]
-        m_sv = m_d[:, None] & m_v[None, :]
-        b_Gt = tl.load(G + p_s, mask=m_sv, other=0)
-        b_dot = tl.load(do + p_s, mask=m_sv, other=0).to(tl.float32)
-        b_du += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_Gt - b_G, 0.)) * b_dot, 0.)
-    tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
@@ -479,7 +428,7 @@ def _chunk_bwd2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, ep
     f32 = dict(device=dev, dtype=torch.float32)
     do = do.contiguous()
     du = torch.empty(B, T, HV, V, **f32)
-    _bwd_dv_local_col2[(triton.cdiv(V, BV), NT, B * HV)](
+    _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     dr = torch.empty(B, T, HV, V, **f32)
     dh = torch.empty_like(h)
