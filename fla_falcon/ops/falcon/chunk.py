@@ -923,18 +923,25 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf,
+def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval, ds_buf, dm_buf,
              dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+             SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
              USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """falcon2a per chunk: dq, dx, and the per-column decay gradient
-    dG = o * do - u * du (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the
-    gates' chain rule, all in one pass over the value blocks."""
+    """The per-column rules per chunk, one pass over the value blocks: dq, dx, and the per-column decay
+    gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum
+    and the gates' chain rule. The written vectors are u = eta * val:
+
+    - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
+      which the state path is added here;
+    - falcon2 (DELTA=True, chunk_col.py): val = r = v - x.S_{t-1} (the residual), dval = drhs from the
+      transposed solve (all paths). On top: the X S0 path of the right-hand side (dx), the Gram path
+      dM[t, j] = -sum_c a_t u_j exp(Gx_t - G_j) with a = eta drhs, and Gx = G - g in the right side and L
+      (-a p with p = v - r the prediction), which g_t itself does not enter."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -959,6 +966,8 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
     b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)
     b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dmd = tl.zeros([BT, BT], dtype=tl.float32)
     b_dden = tl.zeros([BT], dtype=tl.float32)
     b_dlp = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -971,22 +980,28 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
         b_h = tl.load(h + p_kv, mask=m_kv, other=0)
         b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_o = tl.load(o + p_tv, mask=m_tv, other=0)
         b_G = tl.load(G + p_tv, mask=m_tv, other=0)
         b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        # dU: the in-chunk outputs' part (_bwd_dv_local_col) plus the state path
-        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
-        b_du = tl.load(du + p_tv, mask=m_tv, other=0) + b_duS
         b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_eta = b_beta * b_rden[:, None]
-        b_a = b_eta * b_lp[:, None]
-        clamped = b_a > 1 - eps_gamma
-        b_a = tl.minimum(b_a, 1 - eps_gamma)
-        b_u = b_eta * b_v
+        b_al = b_eta * b_lp[:, None]
+        clamped = b_al > 1 - eps_gamma
+        b_al = tl.minimum(b_al, 1 - eps_gamma)
+        b_u = b_eta * b_val
+        # the state path exp(G_C - G) X dh of du
+        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
+        b_dval = tl.load(dval + p_tv, mask=m_tv, other=0)
+        if not DELTA:
+            b_dval += b_duS
         b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h.to(dt)))
         b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh.to(dt)))
-        # ds_ts = sum_v do_t u_s exp(G_t - G_s): sub-chunks below the diagonal by tensor cores
+        if DELTA:
+            b_a = b_eta * b_dval
+            b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
+            b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h.to(dt)))   # the X S0 path
+        # ds_ts = sum_v do_t u_s exp(G_t - G_s) (and dM): sub-chunks below the diagonal by tensor cores
         for a in tl.static_range(1, BT // 16):
             # reference row clamped into the sequence, real rows only (see _fwd_o_col)
             b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
@@ -995,6 +1010,9 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
             b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
             b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
             b_ds += tl.dot(b_doa.to(dt), tl.trans(b_ua.to(dt)))
+            if DELTA:
+                b_aa = tl.where(m_a[:, None], b_a * tl.exp(tl.where(m_a[:, None], b_Gx - b_Gr[None, :], 0.)), 0.)
+                b_dm += tl.dot(b_aa.to(dt), tl.trans(b_ua.to(dt)))
         # ... and the diagonal blocks one offset at a time
         for d in range(16):
             s_t = (o_s // 16) * 16 + d
@@ -1002,31 +1020,47 @@ def _bwd_col(q, k, v, beta, lam, last_k, count, G, eta, h, dh, o, do, du, ds_buf
             p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
             m_sv = m_d[:, None] & m_v[None, :]
             b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
-            b_us = tl.load(v + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
-            b_val = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
+            b_us = tl.load(val + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
+            b_sum = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
             # a separate accumulator: a bool mask must not be converted into the dot layout
-            b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_val[:, None]
+            b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_sum[:, None]
+            if DELTA:
+                m_dd = m_d & (s_t < o_s)
+                m_sv2 = m_dd[:, None] & m_v[None, :]
+                b_sum2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
+                b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_sum2[:, None]
         # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
-        b_dG = b_o * b_do - b_u * b_du
+        b_dG = b_o * b_do - b_u * b_dval
+        if DELTA:
+            b_dGx = -b_a * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
+        else:
+            b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
+        b_dG += b_dGx
         b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
         b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
-        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG
-        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_a)) * b_validf[:, None]
-        b_deta = b_du * b_v + b_dalpha * b_lp[:, None]
+        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
+        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
+        b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
         b_dlp += tl.sum(b_dalpha * b_eta, 1)
         b_dbeta = b_deta * b_rden[:, None]
         b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
         tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
-        tl.store(dv + p_tv, (b_du * b_eta).to(dv.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
     b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
     b_dq = b_dq * scale + tl.dot(b_ds.to(dt), b_xl)
-    # ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on Hopper)
+    # ds^T (and dM^T) through scratch buffers (a transposed dot result fed into tl.dot miscompiles on Hopper)
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
+    p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
     tl.store(ds_buf + p_A, b_ds, mask=m_t[:, None])
+    if DELTA:
+        b_dm = -tl.where(o_s[:, None] > o_s[None, :], b_dm + b_dmd, 0.)
+        tl.store(dm_buf + p_A, b_dm, mask=m_t[:, None])
     tl.debug_barrier()
-    b_dst = tl.load(ds_buf + ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None],
-                    mask=m_t[None, :], other=0)
+    b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
     b_dx = tl.dot(b_dst.to(dt), b_q) + b_dxs
+    if DELTA:
+        b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
+        b_dx += tl.dot((b_dm + b_dmt).to(dt), b_xl)   # the Gram path: d(x_t.x_j) into both keys
     b_dlp += b_dden
     b_dx += (2 * b_dden)[:, None] * b_x
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
@@ -1311,8 +1345,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         o32 = A
         ds_buf = torch.empty(B, T, HV, BT, **f32)
         _bwd_col[(NT, B * HV)](
-            q, k, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, ds_buf, dq, dk, dv, dlast_k, dbeta,
-            dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
+            q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, ds_buf, None, dq, dk, dv, dlast_k,
+            dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=False, **gates, **common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     dx = torch.empty(B, T, HV, K, **f32) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None

@@ -45,8 +45,8 @@ lam_coupled) and the key gradient shifted back onto k / the carried last key.
 Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the chunks' key Gram,
 once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
 solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col`` (chunk.py),
-``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve) and ``_bwd_delta_col``
-(parallel: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile;
+``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve) and ``_bwd_col``
+(chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile;
 each step reads one Gram row and one G row from memory and rescales the decayed history tile by
 ``exp(G_i - G_{i-1}) <= 1`` (a product of per-step factors, each <= 1, instead of BT x BV exps per step).
 """
@@ -59,8 +59,8 @@ import triton.language as tl
 
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
-    CONFIGS_8W,
     CONFIGS_H,
+    _bwd_col,
     _bwd_dv_local_col,
     _final_state,
     _fwd_o_col,
@@ -236,145 +236,6 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
-@triton.jit
-def _bwd_delta_col(q, k, v, beta, lam, last_k, count, G, eta, r, dr, h, dh, o, do, ds_buf, dm_buf,
-                   dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
-                   cu_seqlens, chunk_indices, chunk_offsets, T,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """falcon2 per chunk, one pass over the value blocks: dq; dx from the outputs, the state, the X S0
-    path and the Gram (dM); the per-column decay gradient dG = o do - u drhs - eta drhs p (+ <S_next,
-    dS_next> on the last row), its reverse cumsum and the gates' chain rule; dv = eta drhs."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
-    o_t = i_t * BT + o_s
-    m_t = o_t < T
-    last = min(i_t * BT + BT, T) - 1
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    dt = b_q.dtype
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_x = b_xl.to(tl.float32)
-    b_E, b_lp, b_den = _stats(b_x, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    # per-row float factors instead of bool masks (Triton cannot move i1 tensors between layouts)
-    ok = valid & (b_den > 0)
-    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
-    b_validf = valid.to(tl.float32)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
-    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dmd = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dden = tl.zeros([BT], dtype=tl.float32)
-    b_dlp = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = (o_k < K)[:, None] & m_v[None, :]
-        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_o = tl.load(o + p_tv, mask=m_tv, other=0)
-        b_r = tl.load(r + p_tv, mask=m_tv, other=0)
-        b_dr = tl.load(dr + p_tv, mask=m_tv, other=0)
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
-        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_eta = b_beta * b_rden[:, None]
-        b_al = b_eta * b_lp[:, None]
-        clamped = b_al > 1 - eps_gamma
-        b_al = tl.minimum(b_al, 1 - eps_gamma)
-        b_u = b_eta * b_r
-        b_a = b_eta * b_dr
-        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
-        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h.to(dt)))
-        # dx: the state path and the X S0 path of the right side
-        b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh.to(dt)))
-        b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h.to(dt)))
-        # ds[t, j] = sum_c do_t u_j exp(G_t - G_j) and dM[t, j] = -sum_c a_t u_j exp(Gx_t - G_j): sub-chunks
-        # below the diagonal by tensor cores through the last row r before the sub-chunk (t - 1 >= r > j)
-        for a in tl.static_range(1, BT // 16):
-            # rows past the end read G = 0: the reference row is at most the last real row and those rows are
-            # masked out of every exp(G_t - G_r), so that no factor exceeds 1 (0 * inf would poison the dots)
-            b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-            m_a = ((o_s // 16) == a) & m_t
-            m_b = o_s < a * 16
-            b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-            b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-            b_aa = tl.where(m_a[:, None], b_a * tl.exp(tl.where(m_a[:, None], b_Gx - b_Gr[None, :], 0.)), 0.)
-            b_ds += tl.dot(b_doa.to(dt), tl.trans(b_ua.to(dt)))
-            b_dm += tl.dot(b_aa.to(dt), tl.trans(b_ua.to(dt)))
-        # ... and the diagonal 16x16 blocks one offset at a time, elementwise in fp32
-        for d in range(16):
-            s_t = (o_s // 16) * 16 + d
-            m_d = (s_t <= o_s) & m_t   # t real (and so s <= t): exp(G_t - G_s) <= 1
-            p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            m_sv = m_d[:, None] & m_v[None, :]
-            b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
-            b_us = tl.load(r + p_s, mask=m_sv, other=0) * tl.load(eta + p_s, mask=m_sv, other=0)
-            b_val = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
-            b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_val[:, None]
-            m_dd = m_d & (s_t < o_s)
-            m_sv2 = m_dd[:, None] & m_v[None, :]
-            b_val2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
-            b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_val2[:, None]
-        # per-column decay gradient: outputs/state with u fixed (o do - u du), the L path (+u (du - drhs)),
-        # and Gx = G - g of the right side and L (-a p, p = v - r the prediction), which g_t itself does not enter
-        b_dGx = -b_a * (b_v - b_r)
-        b_dG = b_o * b_do - b_u * b_dr + b_dGx
-        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
-        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
-        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
-        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
-        b_deta = b_dr * b_r + b_dalpha * b_lp[:, None]
-        b_dlp += tl.sum(b_dalpha * b_eta, 1)
-        b_dbeta = b_deta * b_rden[:, None]
-        b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
-        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
-        tl.store(dv + p_tv, b_a.to(dv.dtype.element_ty), mask=m_tv)
-    b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
-    b_dm = -tl.where(o_s[:, None] > o_s[None, :], b_dm + b_dmd, 0.)
-    b_dq = b_dq * scale + tl.dot(b_ds.to(dt), b_xl)
-    # ds^T and dM^T through scratch buffers (a transposed dot result fed into tl.dot miscompiles on Hopper)
-    p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
-    p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
-    tl.store(ds_buf + p_A, b_ds, mask=m_t[:, None])
-    tl.store(dm_buf + p_A, b_dm, mask=m_t[:, None])
-    tl.debug_barrier()
-    b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
-    b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
-    b_dx = tl.dot(b_dst.to(dt), b_q) + b_dxs + tl.dot((b_dm + b_dmt).to(dt), b_xl)
-    b_dlp += b_dden
-    b_dx += (2 * b_dden)[:, None] * b_x
-    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    if HAS_LAM:
-        if LAM_COUPLED:
-            b_dlp = b_dlp * b_E
-        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
-    r_k = o_t - SHIFT
-    tl.store(dk + ((bos + r_k) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
-             mask=m_tk & (r_k >= 0)[:, None])
-    if SHIFT:
-        if USE_INITIAL_STATE:
-            b_first = tl.sum(tl.where((o_t == 0)[:, None] & valid[:, None], b_dx, 0.), 0)
-            if i_t == 0:
-                tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
-
-
 # ----------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------
@@ -447,9 +308,9 @@ def _chunk_bwd2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, ep
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     ds_buf = torch.empty(B, T, HV, BT, **f32)
     dm_buf = torch.empty(B, T, HV, BT, **f32)
-    _bwd_delta_col[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, G, eta, r, dr, h, dh, o, do, ds_buf, dm_buf, dq, dk, dv, dlast_k,
-        dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, HAS_LAM=lam is not None,
+    _bwd_col[(NT, B * HV)](
+        q, k, v, r, beta, lam, last_k, count, G, eta, h, dh, o, do, dr, ds_buf, dm_buf, dq, dk, dv, dlast_k,
+        dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=True, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
 
