@@ -1,5 +1,5 @@
 # -*- coding: utf-8 -*-
-"""chunk_falcon2 (Triton, per-column delta rule) vs naive_recurrent_falcon(rule='falcon2') (fp64 autograd):
+"""chunk_falcon(rule='falcon2') (Triton, per-column delta rule) vs naive_recurrent_falcon(rule='falcon2') (fp64 autograd):
 outputs, final state and every gradient."""
 
 import pytest
@@ -8,8 +8,12 @@ from conftest import DEVICE
 from fla.utils import assert_close
 
 from fla_falcon import FalconState
-from fla_falcon.ops.falcon.chunk_col import chunk_falcon2
+from fla_falcon.ops.falcon.chunk import chunk_falcon
 from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
+
+
+def chunk_falcon2(*args, **kwargs):
+    return chunk_falcon(*args, rule='falcon2', **kwargs)
 
 # fp32 matmuls run in tf32 on the GPU
 RATIO = {torch.float32: 5e-3 if DEVICE == 'cuda' else 1e-4, torch.bfloat16: 2e-2}
@@ -170,7 +174,6 @@ def test_segments(shift, device):
 
 def test_equal_gains_is_falcon1(device):
     """falcon2 with the same gain in every value column is falcon1 (outputs, state, gradients)."""
-    from fla_falcon.ops.falcon.chunk import chunk_falcon
     torch.manual_seed(5)
     q, k, v, _, lam, state = make_inputs(1, 40, 1, 1, 16, 16, 'on', True, device)
     beta = torch.rand(1, 40, 1, device=device) * 1.8 + 0.1

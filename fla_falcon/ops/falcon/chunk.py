@@ -1257,6 +1257,11 @@ def _meta(q, v, chunk_size, cu_seqlens):
 
 def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col, win,
                lam_coupled, shift, output_final_state, cu_seqlens, chunk_size):
+    if delta and per_col:
+        # falcon2: one triangular system per value column, in the sequential kernel (chunk_col.py)
+        from fla_falcon.ops.falcon.chunk_col import chunk_fwd_falcon2
+        return chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
+                                 output_final_state, cu_seqlens, chunk_size)
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -1296,6 +1301,10 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
 
 def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
                per_col, win, lam_coupled, shift, cu_seqlens, chunk_size):
+    if delta and per_col:
+        from fla_falcon.ops.falcon.chunk_col import chunk_bwd_falcon2
+        return chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma,
+                                 lam_coupled, shift, cu_seqlens, chunk_size) + (None, None)
     G, eta, A, W, vn, h = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
@@ -1425,8 +1434,8 @@ def chunk_falcon(
     r"""Chunk-parallel Falcon (Triton), same arguments, semantics and state as
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
-    Supports ``falcon1``, ``falcon1a``, ``falcon2`` (kernels in ``chunk_col.py``), ``falcon2a`` and
-    ``falcon3a`` with ``window <= 8`` (falcon3 raises ``NotImplementedError``).
+    Supports ``falcon1``, ``falcon1a``, ``falcon2`` (its solve and state kernels in ``chunk_col.py``),
+    ``falcon2a`` and ``falcon3a`` with ``window <= 8`` (falcon3 raises ``NotImplementedError``).
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
@@ -1437,12 +1446,6 @@ def chunk_falcon(
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if rule not in SUPPORTED_RULES:
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
-    if rule == 'falcon2':
-        # per-column triangular systems: their own kernels (chunk_col.py, which imports this module)
-        from fla_falcon.ops.falcon.chunk_col import chunk_falcon2
-        return chunk_falcon2(q, k, v, beta, lam, scale=scale, eps=eps, eps_gamma=eps_gamma, lam_coupled=lam_coupled,
-                             shift=shift, initial_state=initial_state, output_final_state=output_final_state,
-                             cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
     regression, per_col, windowed = rule_info(rule)

@@ -62,20 +62,12 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS_H,
     _bwd_col,
     _bwd_dv_local_col,
-    _final_state,
     _fwd_o_col,
     _load_x,
     _meta,
     _prep_fwd,
     _reduce_groups,
     _seq_info,
-    _stats,
-)
-from fla_falcon.ops.falcon.utils import (
-    DEFAULT_EPS,
-    DEFAULT_EPS_GAMMA,
-    FalconState,
-    validate_falcon_inputs,
 )
 
 
@@ -245,7 +237,7 @@ def _common(m, shift, use_init, cu_seqlens):
                 USE_INITIAL_STATE=use_init, IS_VARLEN=cu_seqlens is not None)
 
 
-def _chunk_fwd2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
+def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
                 output_final_state, cu_seqlens, chunk_size):
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
@@ -277,7 +269,7 @@ def _chunk_fwd2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, la
     return o, ht, (M, G, eta, r, h, o)
 
 
-def _chunk_bwd2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
+def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
                 cu_seqlens, chunk_size):
     M, G, eta, r, h, o = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
@@ -313,88 +305,3 @@ def _chunk_bwd2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, ep
         dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=True, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
-
-
-class ChunkFalcon2Function(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                output_final_state, cu_seqlens, chunk_size):
-        o, ht, saved = _chunk_fwd2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled,
-                                   shift, output_final_state, cu_seqlens, chunk_size)
-        ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved)
-        ctx.cfg = (scale, eps, eps_gamma, lam_coupled, shift, chunk_size)
-        return o.to(v.dtype), ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, beta, lam, S0, last_k, count, cu_seqlens, *saved = ctx.saved_tensors
-        scale, eps, eps_gamma, lam_coupled, shift, chunk_size = ctx.cfg
-        # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
-        dht = dht.contiguous() if dht is not None else None
-        dq, dk, dv, dbeta, dlam, dh0, dlast_k = _chunk_bwd2(
-            q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
-            cu_seqlens, chunk_size)
-        cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
-        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam), cast(dh0, S0),
-                cast(dlast_k, last_k), None, None, None, None, None, None, None, None, None)
-
-
-def chunk_falcon2(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    lam: torch.Tensor | None = None,
-    *,
-    scale: float | None = None,
-    eps: float = DEFAULT_EPS,
-    eps_gamma: float = DEFAULT_EPS_GAMMA,
-    lam_coupled: bool = False,
-    shift: bool = True,
-    initial_state: FalconState | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, FalconState | None]:
-    r"""Chunk-parallel falcon2 (Triton): ``naive_recurrent_falcon(..., rule='falcon2')``'s arguments,
-    semantics and state (``beta`` is ``[B, T, HV, V]``).
-
-    Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
-    computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
-    inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
-    state's ``S`` and ``last_k``.
-    """
-    scale, N = validate_falcon_inputs(
-        q, k, v, beta, lam, rule='falcon2', window=1, scale=scale, eps=eps, eps_gamma=eps_gamma,
-        lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    if K > 256:
-        raise ValueError(f"chunk_falcon2 supports head dims K <= 256, got K={K}")
-    out_dtype, fp64 = v.dtype, q.dtype == torch.float64
-    if fp64:   # the kernels compute in fp32
-        q, k, v = q.float(), k.float(), v.float()
-    else:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    lam = lam.contiguous() if lam is not None else None
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(torch.int32 if cu_seqlens.dtype != torch.int64 else torch.int64)
-    if initial_state is not None:
-        S0 = initial_state.S.float().contiguous()
-        last_k0 = initial_state.last_k.float().contiguous()
-        count = initial_state.count.to(torch.int32).contiguous()
-    else:
-        S0 = last_k0 = count = None
-    o, ht = ChunkFalcon2Function.apply(
-        q, k, v, beta, lam, S0, last_k0, count, scale, float(eps), float(eps_gamma), lam_coupled, shift,
-        output_final_state, cu_seqlens, chunk_size)
-    final_state = None
-    if output_final_state:
-        final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, 1, shift)
-        if fp64:   # FalconState's contract (as naive and fused): fp64 with fp64 inputs
-            final_state = FalconState(*(t.double() for t in final_state[:4]), final_state.count)
-    return o.to(out_dtype), final_state
