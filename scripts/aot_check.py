@@ -17,6 +17,7 @@ Use the Triton version of the GPU machine (Triton 3.6 on our H200):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -34,6 +35,9 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 COMPILED: list[dict] = []
+# shared memory a block may use (opt-in maximum, bytes) per compute capability: a kernel needing more
+# compiles but raises OutOfResources at its first launch
+MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 SEEN: set = set()
 
 
@@ -75,7 +79,11 @@ def _resources(cubin: bytes) -> dict:
                 shared=int(shared.group(1)) if shared else None)
 
 
+self_arch = [None]
+
+
 def install(arch: int) -> None:
+    self_arch[0] = arch
     _driver.set_active(_CompileOnlyDriver(arch))
     orig_run = JITFunction.run
 
@@ -92,6 +100,11 @@ def install(arch: int) -> None:
             if hasattr(kernel, 'result'):
                 kernel = kernel.result()
             rec.update(_resources(kernel.asm['cubin']), ok=True)
+            # Triton's shared memory is dynamic (cuobjdump's SHARED is the static part only)
+            rec['shared'] = int(kernel.metadata.shared)
+            limit = MAX_SHARED.get(self_arch[0])
+            if limit is not None and rec['shared'] > limit:
+                rec.update(ok=False, error=f"OutOfResources at launch: shared memory {rec['shared']} > {limit}")
         except Exception as e:   # noqa: BLE001  (a compiler crash is what we are looking for)
             rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                        trace=traceback.format_exc()[-3000:])
@@ -126,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument('--dtype', default='bf16', choices=['bf16', 'fp32'])
     p.add_argument('--seqlen', type=int, default=130, help='T (multiples of 16 specialize differently)')
     p.add_argument('--heads', type=int, default=2)
+    p.add_argument('--chunk-size', type=int, default=64, help='chunk_falcon chunk size')
     args = p.parse_args(argv)
     import fla_falcon  # noqa: F401  (fla sees no GPU: its CPU code paths; the kernels compile for the target)
     from fla_falcon.ops.falcon import RULES, chunk_falcon, fused_recurrent_falcon
@@ -140,7 +154,8 @@ def main(argv=None) -> int:
         _, per_column, windowed = rule_info(rule)
         W = args.window if windowed else 1
         for op_name in args.ops:
-            op = chunk_falcon if op_name == 'chunk' else fused_recurrent_falcon
+            op = (functools.partial(chunk_falcon, chunk_size=args.chunk_size) if op_name == 'chunk'
+                  else fused_recurrent_falcon)
             if op_name == 'chunk' and rule not in getattr(chunk_falcon, 'supported_rules', ()):
                 continue
             print(f"{op_name} {rule} (W={W}, K={K}, V={V}, {args.dtype})", flush=True)
