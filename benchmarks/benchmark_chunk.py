@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fla_falcon.ops.falcon.chunk import SUPPORTED_RULES, chunk_falcon
+from fla_falcon.ops.falcon.fused_recurrent import fused_recurrent_falcon
 
 TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon2': ('chunk_gated_delta_rule', 1.5),
            'falcon1a': ('chunk_simple_gla', 1.0),
@@ -39,7 +40,7 @@ def lift_fla_guard() -> bool:
     return bool(guarded)
 
 
-def make_cases(B, T, H, K, V, window):
+def make_cases(B, T, H, K, V, window, recurrent=()):
     from fla.ops.delta_rule import chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gla import chunk_gla
@@ -69,6 +70,12 @@ def make_cases(B, T, H, K, V, window):
         b = beta_col if rule.startswith('falcon2') else beta
         w = window if rule.startswith('falcon3') else 1
         cases[rule] = (lambda rule=rule, b=b, w=w: chunk_falcon(q, k, v, b, lam, rule=rule, window=w)[0])
+    # the token-by-token kernel of the same rule, for the chunk kernels' speed-up over it (issue 5)
+    for rule in recurrent:
+        b = beta_col if rule.startswith('falcon2') else beta
+        w = window if rule.startswith('falcon3') else 1
+        cases[f'fused_recurrent:{rule}'] = (lambda rule=rule, b=b, w=w:
+                                            fused_recurrent_falcon(q, k, v, b, lam, rule=rule, window=w)[0])
     return cases, leaves
 
 
@@ -121,6 +128,9 @@ def main(argv=None):
                         help='output folder for chunk.json and chunk.md (default: %(default)s)')
     parser.add_argument('--ops', nargs='+', default=None, metavar='OP',
                         help='time only these ops (fla baselines by function name, falcon rules by rule name)')
+    parser.add_argument('--recurrent', nargs='*', default=None, metavar='RULE',
+                        help='also time fused_recurrent_falcon for these rules (bare: every chunk rule) at the first '
+                             'shape, to report the chunk kernels\' speed-up over the token-by-token kernel')
     parser.add_argument('--profile', nargs='*', default=None, metavar='OP',
                         help='also write chunk_profile.md: per-kernel device time of forward+backward for these ops '
                              '(default when given bare: every op) at the first shape')
@@ -132,7 +142,8 @@ def main(argv=None):
     results = []
     for spec in args.shapes:
         B, T, H, K, V = (int(x) for x in spec.split(','))
-        cases, leaves = make_cases(B, T, H, K, V, args.window)
+        recurrent = (args.recurrent or SUPPORTED_RULES) if args.recurrent is not None and spec == args.shapes[0] else ()
+        cases, leaves = make_cases(B, T, H, K, V, args.window, recurrent)
         row = {'shape': [B, T, H, K, V], 'ms': {}, 'ratio': {}}
         results.append(row)
         for name, fn in cases.items():
@@ -143,6 +154,10 @@ def main(argv=None):
                   f"fwd+bwd {row['ms'][name]['fwd+bwd']:8.3f} ms", flush=True)
             row['ratio'] = {rule: {m: row['ms'][rule][m] / row['ms'][base][m] for m in ('fwd', 'fwd+bwd')}
                             for rule, (base, _) in TARGETS.items() if rule in row['ms'] and base in row['ms']}
+            # how many times faster the chunk kernel is than the token-by-token one
+            row['speedup_over_recurrent'] = {
+                r: {m: row['ms'][f'fused_recurrent:{r}'][m] / row['ms'][r][m] for m in ('fwd', 'fwd+bwd')}
+                for r in SUPPORTED_RULES if r in row['ms'] and f'fused_recurrent:{r}' in row['ms']}
             # after every case: a run stopped part way (time limit, compile failure) keeps what it measured
             write_report(args, results, lifted, done=False)
         if args.profile is not None and spec == args.shapes[0]:
@@ -185,6 +200,9 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
             base, target = TARGETS[rule]
             ok = 'met' if r['fwd+bwd'] <= target else 'missed'
             lines.append(f"| {rule} | {base} | {r['fwd']:.2f}x | {r['fwd+bwd']:.2f}x | <= {target}x ({ok}) |")
+        if row.get('speedup_over_recurrent'):
+            lines += ['', '| rule | chunk speed-up over fused_recurrent_falcon, fwd | fwd+bwd |', '|---|---:|---:|']
+            lines += [f"| {r} | {s['fwd']:.1f}x | {s['fwd+bwd']:.1f}x |" for r, s in row['speedup_over_recurrent'].items()]
         lines.append('')
     with open(os.path.join(args.out, 'chunk.md'), 'w') as f:
         f.write('\n'.join(lines))
