@@ -297,9 +297,13 @@ def test_zero_lam_is_no_lam(kernel, rule, W):
     kw = dict(rule=rule, window=W, initial_state=st, output_final_state=True)
     o1, s1 = KERNELS[kernel](q, k, v, beta, torch.zeros_like(lam), **kw)
     o2, s2 = KERNELS[kernel](q, k, v, beta, None, **kw)
-    assert torch.equal(o1, o2)
-    for name, a, b in zip(FalconState._fields, s1, s2):
-        assert torch.equal(a, b), name
+    for name, a, b in zip(('o',) + FalconState._fields, (o1,) + tuple(s1), (o2,) + tuple(s2)):
+        if ON_GPU:
+            # lam=None and lam=0 compile different kernels (HAS_LAM) whose autotuned configs may differ and
+            # sum in another order: equal up to fp32 round-off there, bitwise on the CPU
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(a, b), name
 
 
 # --------------------------------------------------------------------------------------------------

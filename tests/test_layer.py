@@ -192,9 +192,11 @@ def test_resolver_falls_back(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter('error')   # warned once only
         resolve_falcon_kernel('fused_recurrent', 'falcon2')
-    layer = make_layer('falcon1', 'cpu')
+    # on DEVICE: fla's own Triton modules in the layer (short convolution, norms) cannot take CPU tensors on
+    # a machine with a GPU, where Triton compiles for the GPU instead of interpreting
+    layer = make_layer('falcon1')
     with torch.no_grad():
-        run(layer, torch.randn(1, 3, HIDDEN))
+        run(layer, torch.randn(1, 3, HIDDEN, device=DEVICE))
     assert calls == ['falcon1']
     with pytest.raises(ValueError, match='mode'):
         resolve_falcon_kernel('parallel', 'falcon1')
@@ -207,8 +209,8 @@ def test_kernel_not_implemented_falls_back(monkeypatch):
     monkeypatch.setattr(falcon_ops, 'chunk_falcon', refusing, raising=False)
     monkeypatch.delattr(falcon_ops, 'fused_recurrent_falcon', raising=False)
     monkeypatch.setattr(falcon_net_module, '_warned', set())
-    layer = make_layer('falcon1', 'cpu').train()
-    x = torch.randn(1, 4, HIDDEN)
+    layer = make_layer('falcon1').train()
+    x = torch.randn(1, 4, HIDDEN, device=DEVICE)
     with pytest.warns(UserWarning, match="falling back to 'naive'"):
         o, _, _ = layer(x)
     assert o.shape == x.shape
