@@ -225,6 +225,17 @@ def test_gpu_bf16_heads128_varlen(rule, device):
           torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype,K', [(torch.float32, 128), (torch.float32, 256), (torch.bfloat16, 256)])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_gpu_large_heads(rule, dtype, K, device):
+    """The shapes whose backward kernels need the most shared memory (fp32 tiles, K up to 256): at 64-row
+    chunks some configs exceed Hopper's 227 KB and fp32 at K > 64 exceeds it with every config, so the
+    op runs those with smaller chunks (scripts/aot_check.py lists the shared memory of every config)."""
+    inputs = make_inputs(rule, 1, 130, 2, 1, K, K, 'on', True, device, window=win(rule))
+    check(run_both(rule, *inputs, dtype, window=win(rule)), dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # falcon3a: the window W (pairs before a chunk come from the previous chunk or the carried tail)
 # ----------------------------------------------------------------------------------------------

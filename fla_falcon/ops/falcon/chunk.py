@@ -1344,9 +1344,13 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         dv2 = torch.zeros(B, T, HV, V, **f32) if win > 1 else None
         dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init else None
         dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init else None
+        # fp32 inputs double the kernel's shared-memory dot operands: at BV = 64 it needs 236 KB at K = V = 64,
+        # over Hopper's 227 KB (OutOfResources at launch; scripts/aot_check.py): narrower value blocks there
+        win_common = dict(common, BV=min(common['BV'], 32 if q.element_size() > 2 else 64))
         _bwd_win[(NT, B * HV)](
             q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do, dq, dk, dv, dk2, dv2, dlast_k,
-            dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates, **common)
+            dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates,
+            **win_common)
         if win > 1:
             dk, dv = dk + dk2, dv + dv2
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
@@ -1457,6 +1461,11 @@ def chunk_falcon(
     HV, V = v.shape[2:]
     if K > 256:
         raise ValueError(f"chunk_falcon supports head dims K <= 256, got K={K}")
+    if q.dtype in (torch.float32, torch.float64) and K > 64:
+        # with fp32 matmul inputs and K > 64 the backward kernels' [chunk, K] tiles need more shared memory
+        # at 64-row chunks than Hopper's 227 KB, for every config (OutOfResources at launch; see
+        # scripts/aot_check.py); 32-row chunks fit, 16-row ones at K > 128. Same result, more chunks.
+        chunk_size = min(chunk_size, 32 if K <= 128 else 16)
     out_dtype, fp64 = v.dtype, q.dtype == torch.float64
     if fp64:   # the kernels compute in fp32
         q, k, v = q.float(), k.float(), v.float()
