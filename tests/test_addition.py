@@ -324,3 +324,41 @@ def test_torchrun_data_parallel_on_cpu(tmp_path):
     assert res['meta']['data_parallel_ranks'] == 2
     [run] = res['runs']
     assert run['status'] == 'ok' and run['world_size'] == 2 and set(run['accuracy']) == {str(n) for n in range(1, 7)}
+
+
+@pytest.mark.parametrize('T,chunk,groups', [(37, 16, 1), (16, 16, 2), (5, 8, 1)])
+def test_mamba2_einsum_ssd_matches_fla(T, chunk, groups):
+    """The einsum SSD (evals/addition/torch_path.py) against fla's Mamba2.torch_forward: output, final SSM
+    state and every parameter's and the input's gradient, lengths that are and are not chunk multiples."""
+    from fla.layers.mamba2 import Mamba2
+    torch.manual_seed(0)
+    layer = Mamba2(num_heads=4, head_dim=8, hidden_size=16, state_size=8, expand=2, n_groups=groups,
+                   chunk_size=chunk, layer_idx=0).to(DEVICE)   # fp32: fla's torch_forward computes in fp32
+    with torch.no_grad():
+        layer.dt_bias.uniform_(-1, 1)
+        layer.A_log.uniform_(0, 2)
+    x = torch.randn(2, T, 16, device=DEVICE, requires_grad=True)
+    params = [x] + [p for p in layer.parameters() if p.requires_grad]
+
+    def run(fn):
+        out, _, state = fn(x)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), device=DEVICE, dtype=out.dtype)
+                                     .view_as(out)).sum() + state.pow(2).sum(), params)
+        return [out, state, *grads]
+    ref = run(layer.torch_forward)
+    assert torch_path.use_einsum_ssd(torch.nn.ModuleList([layer])) == 1
+    new = run(layer.torch_forward)
+    for i, (a, b) in enumerate(zip(ref, new)):
+        assert _rel_err(a, b) < 5e-5, i   # fp32 round-off (a wrong term is O(1))
+    # cache / mask / decoding calls still go to fla's own code
+    with torch.no_grad():
+        mask = torch.ones(2, T, dtype=torch.long, device=DEVICE)
+        torch.testing.assert_close(layer.torch_forward(x, attention_mask=mask)[0], ref[0])
+
+
+def test_curriculum_max():
+    from evals.addition.train import curriculum_max
+    assert [curriculum_max(s, 100, 1, 32, 0.0) for s in (0, 50, 99)] == [32, 32, 32]
+    grow = [curriculum_max(s, 100, 1, 32, 0.5) for s in range(100)]
+    assert grow[0] == 1 and grow[-1] == 32 and grow[49] == 32 and grow[25] in (16, 17)
+    assert all(a <= b for a, b in zip(grow, grow[1:]))   # never shrinks
