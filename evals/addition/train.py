@@ -25,6 +25,14 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 @torch.no_grad()
+def curriculum_max(step: int, steps: int, lo: int, hi: int, frac: float) -> int:
+    """The longest operand drawn at `step`: hi without a curriculum (frac = 0), else growing linearly from
+    lo to hi over the first frac * steps steps."""
+    if frac <= 0:
+        return hi
+    return min(hi, lo + int((hi - lo + 1) * step / (frac * steps)))
+
+
 def evaluate(model, lengths, samples: int, batch_size: int, device: str) -> dict:
     """{n: exact-match accuracy over `samples` examples with n-digit operands} (fixed test sets)."""
     model.eval()
@@ -99,7 +107,9 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
             for step in bar:
                 for g in opt.param_groups:
                     g['lr'] = lr_at(step, steps, spec['lr'], spec['warmup'])
-                b = train_batch(local_batch, spec['train_min'], spec['train_max'], gen).to(device)
+                b = train_batch(local_batch, spec['train_min'],
+                                curriculum_max(step, steps, spec['train_min'], spec['train_max'],
+                                               spec.get('curriculum', 0.0)), gen).to(device)
                 loss = answer_loss(net(input_ids=b.input_ids, use_cache=False).logits, b.targets)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss at step {step}")
