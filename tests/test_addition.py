@@ -362,3 +362,50 @@ def test_curriculum_max():
     grow = [curriculum_max(s, 100, 1, 32, 0.5) for s in range(100)]
     assert grow[0] == 1 and grow[-1] == 32 and grow[49] == 32 and grow[25] in (16, 17)
     assert all(a <= b for a, b in zip(grow, grow[1:]))   # never shrinks
+
+
+def test_graphed_step_padding_keeps_the_loss(restore_patches):
+    """GraphedStep pads every batch to one length (static shapes for the CUDA graph): the loss and the
+    update are those of the unpadded batch (causal models, padding ignored by the loss)."""
+    from evals.addition.train import GraphedStep, _set_lr
+    size = dict(hidden=16, layers=1, heads=2, intermediate=32)
+    b = train_batch(4, 1, 3, torch.Generator().manual_seed(0)).to(DEVICE)
+    updated = []
+    for pad_to in (None, 3 * 5 + 5):
+        torch.manual_seed(0)
+        model, _ = build_model('falcon1a', size, device=DEVICE, kernels='torch' if DEVICE == 'cpu' else 'auto')
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _set_lr(opt, 3e-3)
+        assert opt.param_groups[0]['lr'] == 3e-3
+        if pad_to is None:
+            loss = answer_loss(model(input_ids=b.input_ids, use_cache=False).logits, b.targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            step = GraphedStep(model, opt, 4, pad_to, DEVICE)
+            step.load(b)
+            assert step.ids.shape[1] == pad_to > b.input_ids.shape[1]
+            loss = step.eager()
+            with pytest.raises(ValueError, match='length'):
+                step.load(train_batch(4, 6, 6, torch.Generator().manual_seed(0)).to(DEVICE))
+        updated.append((loss.detach(), [p.detach().clone() for p in model.parameters()]))
+    (l0, p0), (l1, p1) = updated
+    assert _rel_err(l0, l1) < 1e-5
+    assert max(_rel_err(a, b_) for a, b_ in zip(p0, p1)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_cuda_graph_training_matches_eager(tmp_path):
+    """The paper preset's CUDA-graph steps give the losses of eager steps (same seed, same batches)."""
+    from evals.addition.train import run
+    size = dict(hidden=32, layers=1, heads=2, intermediate=64)
+    recs = []
+    for graph in (False, True):
+        spec = dict(model='falcon1a', seed=0, device='cuda', kernels='auto', size=size, train_min=1, train_max=4,
+                    test_min=5, test_max=5, steps=8, batch_size=8, lr=1e-3, warmup=2, weight_decay=0.1,
+                    eval_samples=8, eval_batch_size=8, cuda_graph=graph)
+        recs.append(run(spec, progress=False))
+    assert recs[0]['status'] == recs[1]['status'] == 'ok'
+    assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', recs[1]['step_mode']
+    assert abs(recs[0]['final_loss'] - recs[1]['final_loss']) < 1e-3 * abs(recs[0]['final_loss'])

@@ -14,6 +14,7 @@ from evals.addition.data import answer_loss, exact_match, make_batch, train_batc
 from evals.addition.models import Unavailable, build_model
 
 EVAL_SEED = 1_000_003   # the test sets: the same examples for every model and seed
+GRAPH_WARMUP = 3        # eager steps before a CUDA graph is captured (autotuning, lazy initialization)
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -56,6 +57,67 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+class GraphedStep:
+    """A training step (forward, loss, backward, gradient clipping, AdamW) captured once as a CUDA graph
+    and replayed: the paper preset's models are small, so an eager step is mostly kernel-launch time.
+
+    Shapes must not change between replays: every batch is right-padded to `seq_len` (the longest
+    training example; the models are causal and the loss ignores padding, so the loss is unchanged) and
+    copied into static buffers. The optimizer must be built with ``capturable=True`` and tensor learning
+    rates (set with `set_lr`). The caller runs a few eager steps on a side stream first (autotuning,
+    lazy initialization), as CUDA graph capture requires."""
+
+    def __init__(self, model, opt, batch_size: int, seq_len: int, device, clip: float = 1.0):
+        from evals.addition.data import IGNORE
+        self.model, self.opt, self.clip, self.seq_len = model, opt, clip, seq_len
+        self.ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        self.tgt = torch.full((batch_size, seq_len), IGNORE, dtype=torch.long, device=device)
+        self.graph = None
+        self.loss = None
+
+    def load(self, batch) -> None:
+        from evals.addition.data import IGNORE
+        T = batch.input_ids.shape[1]
+        if T > self.seq_len:
+            raise ValueError(f"batch of length {T} > the captured length {self.seq_len}")
+        self.ids.zero_()   # <pad> = 0
+        self.tgt.fill_(IGNORE)
+        self.ids[:, :T].copy_(batch.input_ids, non_blocking=True)
+        self.tgt[:, :T].copy_(batch.targets, non_blocking=True)
+
+    def _step(self) -> torch.Tensor:
+        loss = answer_loss(self.model(input_ids=self.ids, use_cache=False).logits, self.tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
+        self.opt.step()
+        return loss
+
+    def eager(self) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        return self._step()
+
+    def capture(self) -> None:
+        # as in PyTorch's whole-network capture: with the grads unset, the captured backward allocates them
+        # from the graph's pool and every replay overwrites them (no accumulation across steps)
+        self.opt.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.loss = self._step()
+        self.graph = graph
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.loss
+
+
+def _set_lr(opt, lr: float) -> None:
+    for g in opt.param_groups:
+        if torch.is_tensor(g['lr']):
+            g['lr'].fill_(lr)
+        else:
+            g['lr'] = lr
+
+
 def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     """Trains and evaluates one (model, seed). `spec`: model, seed, device, kernels, size (dict), train_min,
     train_max, test_min, test_max, steps, batch_size, lr, warmup, weight_decay, eval_samples,
@@ -84,7 +146,15 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     decayed = {id(p) for p in model.parameters() if p.dim() >= 2 and not getattr(p, '_no_weight_decay', False)}
     groups = [dict(params=[p for p in model.parameters() if id(p) in decayed], weight_decay=spec['weight_decay']),
               dict(params=[p for p in model.parameters() if id(p) not in decayed], weight_decay=0.0)]
-    opt = torch.optim.AdamW(groups, lr=spec['lr'], betas=(0.9, 0.98))
+    # one CUDA graph per step (GraphedStep) on a single GPU; eager otherwise or when capture fails
+    graphed = bool(spec.get('cuda_graph')) and str(device).startswith('cuda') and world == 1
+    if graphed:
+        for g in groups:
+            g['lr'] = torch.tensor(spec['lr'], dtype=torch.float32, device=device)
+        opt = torch.optim.AdamW(groups, lr=spec['lr'], betas=(0.9, 0.98), capturable=True, foreach=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=spec['lr'], betas=(0.9, 0.98))
+    record['step_mode'] = 'eager'
     net = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -104,20 +174,42 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
+            gstep = GraphedStep(model, opt, local_batch, 3 * spec['train_max'] + 5, device) if graphed else None
+            side = torch.cuda.Stream() if graphed else None
             for step in bar:
-                for g in opt.param_groups:
-                    g['lr'] = lr_at(step, steps, spec['lr'], spec['warmup'])
+                _set_lr(opt, lr_at(step, steps, spec['lr'], spec['warmup']))
                 b = train_batch(local_batch, spec['train_min'],
                                 curriculum_max(step, steps, spec['train_min'], spec['train_max'],
                                                spec.get('curriculum', 0.0)), gen).to(device)
-                loss = answer_loss(net(input_ids=b.input_ids, use_cache=False).logits, b.targets)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss at step {step}")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
+                if gstep is not None:
+                    gstep.load(b)
+                    if step < GRAPH_WARMUP:   # eager steps on a side stream before the capture
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            loss = gstep.eager()
+                        torch.cuda.current_stream().wait_stream(side)
+                    else:
+                        if gstep.graph is None:
+                            try:
+                                gstep.capture()
+                                record['step_mode'] = 'cuda_graph'
+                            except Exception as e:   # noqa: BLE001  (some op cannot be captured: go eager)
+                                record['step_mode'] = f"eager (CUDA graph capture failed: {type(e).__name__}: {e})"[:300]
+                                gstep = None
+                                torch.cuda.synchronize()
+                        if gstep is not None:
+                            loss = gstep.replay()
+                if gstep is None:
+                    loss = answer_loss(net(input_ids=b.input_ids, use_cache=False).logits, b.targets)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite loss at step {step}")
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
                 losses.append(loss.item())
+                if not math.isfinite(losses[-1]):
+                    raise FloatingPointError(f"non-finite loss at step {step}")
                 if step % 20 == 0 or step == steps - 1:
                     bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
                 if not progress and rank == 0 and (step + 1) % log_every == 0:
