@@ -280,16 +280,22 @@ def _top_eig(X, o_w, W: tl.constexpr, NSQ: tl.constexpr):
 
 @triton.jit
 def _coeffs(X, m, b_beta, b_lam, eps, eps_gamma, o_w, W: tl.constexpr, REGRESSION: tl.constexpr,
-            USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, NSQ: tl.constexpr):
-    """The step's statistics and gates. ``b_beta`` is a scalar or ``[BV]`` (per-column rules)."""
+            USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, NSQ: tl.constexpr, E_pre=None,
+            HAS_E: tl.constexpr = False):
+    """The step's statistics and gates. ``b_beta`` is a scalar or ``[BV]`` (per-column rules). With
+    ``HAS_E``, falcon3's window energy comes from ``falcon_window_energy_kernel`` (``E_pre``; ``u``, which
+    only the backward needs, stays 0)."""
     nb = tl.sum(m.to(tl.float32), 0)
     nb_s = tl.maximum(nb, 1.0)
     u = tl.zeros_like(o_w).to(tl.float32)
     if W == 1:
         E = tl.sum(tl.sum(X * X, 1), 0)
     elif REGRESSION:
-        lmax, u = _top_eig(X, o_w, W, NSQ)
-        E = lmax / nb_s
+        if HAS_E:
+            E = E_pre
+        else:
+            lmax, u = _top_eig(X, o_w, W, NSQ)
+            E = lmax / nb_s
     else:
         E = tl.sum(tl.sum(X * X, 1), 0) / nb_s
     if USE_LAM:
@@ -352,16 +358,46 @@ def _load_gates(beta, lam, bos, t, i_hv, o_v, HV: tl.constexpr, V: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=['T'])
+def falcon_window_energy_kernel(k, lk0, tx0, c0, E, cu_seqlens, seq_idx, T,
+                                H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+                                BW: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                                IS_VARLEN: tl.constexpr, NSQ: tl.constexpr):
+    """falcon3's window energy ``E_t = lambda_max(X_t X_t^T) / B_t`` of one (token, key head).
+
+    It depends on the keys only, not on the state, so it runs token-parallel before the recurrence;
+    the forward kernel then reads it instead of recomputing it in each of its value-block programs."""
+    i_j, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(seq_idx + i_j).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    else:
+        i_n = i_j // T
+        bos = i_n * T
+    t = i_j - bos
+    o_k = tl.arange(0, BK)
+    o_w = tl.arange(0, BW)
+    o_v = tl.arange(0, 16)   # no value rows: V = 0 masks every value load off
+    c_init = 0
+    if USE_INITIAL_STATE:
+        c_init = tl.minimum(tl.maximum(tl.load(c0 + i_n).to(tl.int32), 0), W)
+    p_min = _p_min(c_init, W, SHIFT)
+    X, _, m = _load_pairs(k, k, lk0, tx0, tx0, bos, t, p_min, i_n, i_h, i_h, o_w, o_k, o_v, o_w >= 0,
+                          H, H, K, 0, W, SHIFT, USE_INITIAL_STATE)
+    lmax, _ = _top_eig(X, o_w, W, NSQ)
+    tl.store(E + i_j * H + i_h, lmax / tl.maximum(tl.sum(m.to(tl.float32), 0), 1.0))
+
+
+@triton.jit(do_not_specialize=['T'])
 def falcon_fused_recurrent_fwd_kernel(
     q, k, v, beta, lam, o,
     S0, lk0, tx0, tv0, c0,
-    St, lkt, txt, tvt, ct,
+    St, lkt, txt, tvt, ct, E,
     cu_seqlens, scale, eps, eps_gamma, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
     REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, SHIFT: tl.constexpr,
     USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, NSQ: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, NSQ: tl.constexpr, HAS_E: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -390,8 +426,9 @@ def falcon_fused_recurrent_fwd_kernel(
         X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, all_rows,
                               H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
         b_beta, b_lam = _load_gates(beta, lam, bos, t, i_hv, o_v, HV, V, PER_COLUMN, USE_LAM)
-        nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
-            X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ)
+        b_E = tl.load(E + (bos + t) * H + i_h) if HAS_E else None
+        nb_s, b_En, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
+            X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ, b_E, HAS_E)
         b_S, Wc, R = _step(b_S, X, Y, gamma, c, o_w, W, REGRESSION, PER_COLUMN)
         b_q = tl.load(q + ((bos + t) * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
         b_o = tl.sum(b_S * b_q[:, None], 0) * scale
@@ -646,14 +683,25 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
         ct = q.new_empty(N, dtype=torch.int32)
     else:
         St = lkt = txt = tvt = ct = None
+    E = None
+    if regression and W > 1 and B * T > 0:
+        # falcon3: the window's lambda_max once per (token, key head), not once per value block
+        E = q.new_empty(B * T, H, dtype=torch.float32)
+        seq_idx = None
+        if cu_seqlens is not None:
+            seq_idx = torch.searchsorted(cu_seqlens, torch.arange(B * T, device=q.device, dtype=cu_seqlens.dtype),
+                                         right=True) - 1
+        falcon_window_energy_kernel[(B * T, H)](
+            k, lk0, tx0, c0, E, cu_seqlens, seq_idx, T, H=H, K=K, W=W, BK=BK, BW=BW, SHIFT=shift,
+            USE_INITIAL_STATE=S0 is not None, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ, num_warps=1)
     grid = (triton.cdiv(V, BV), N * HV)
     falcon_fused_recurrent_fwd_kernel[grid](
-        q, k, v, beta, lam, o, S0, lk0, tx0, tv0, c0, St, lkt, txt, tvt, ct,
+        q, k, v, beta, lam, o, S0, lk0, tx0, tv0, c0, St, lkt, txt, tvt, ct, E,
         cu_seqlens, scale, eps, eps_gamma, T,
         H=H, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW,
         REGRESSION=regression, PER_COLUMN=per_column, SHIFT=shift,
         USE_LAM=lam is not None, LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=S0 is not None,
-        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ,
+        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ, HAS_E=E is not None,
         num_warps=num_warps, num_stages=1,
     )
     return o, (St, lkt, txt, tvt, ct)
