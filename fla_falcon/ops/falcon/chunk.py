@@ -19,7 +19,8 @@ are a state recurrence ``S_t = exp(g_t) S_{t-1} + x_t u_t^T`` with
 
 Every exponent is a difference ``G_t - G_s`` with s <= t, so every factor is <= 1.
 
-Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum; falcon1 also A, W, U0), ``_fwd_h``
+Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum), falcon1's ``_wy_solve`` (A) and
+``_wy_wu`` (W, U0), ``_fwd_h``
 (sequential over chunks: chunk-start states, falcon1's corrected U), ``_fwd_o`` (outputs).
 Backward: ``_bwd_dv_local`` + ``_bwd_dhu`` (state gradients, dU), ``_bwd_dqx`` (dq, the attention
 part of dx, the decay gradients of the output/state paths; falcon1a finishes there with the gates'
@@ -344,13 +345,13 @@ def _win_m_end(c, G, bos, i_hv, HV: tl.constexpr, b_Gl, last, o_p, valid_p, t0, 
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, G, eta, A, W, U,
+def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, G, eta,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
+              SHIFT: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
               HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
               IS_VARLEN: tl.constexpr):
     """Shift, energies, gates and the in-chunk cumulative log-decay G; `eta` holds eta (falcon3a: eta / B_t)."""
@@ -382,50 +383,152 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, G, eta, A, W, U,
     else:
         b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
             b_xl.to(tl.float32), beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
-        b_G = tl.cumsum(b_g, 0)
-        tl.store(G + (bos + o_t) * HV + i_hv, b_G, mask=m_t)
+        tl.store(G + (bos + o_t) * HV + i_hv, tl.cumsum(b_g, 0), mask=m_t)
         tl.store(eta + (bos + o_t) * HV + i_hv, b_eta, mask=m_t)
-        if DELTA:
-            o_s = tl.arange(0, BT)
-            b_Gx = b_G - b_g
-            b_xx = tl.dot(b_xl, tl.trans(b_xl))
-            m_l = (o_t[:, None] > (i_t * BT + o_s)[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
-            # -L: minus the strictly lower part, every exponent <= 0
-            b_L = -tl.where(m_l, b_eta[:, None] * tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)) * b_xx, 0.)
-            # (I + L)^-1: forward substitution inside the 16x16 diagonal blocks (their row i together),
-            # then with D^-1 the block-diagonal inverse and N = D^-1 L_off (nilpotent, N^4 = 0):
-            # A = (I - N + N^2 - N^3) D^-1
-            m_bd = (o_s[:, None] // 16) == (o_s[None, :] // 16)
-            b_D = tl.where(m_bd, b_L, 0.)
-            for i in range(1, 16):
-                m_i = (o_s % 16) == i
-                b_r = tl.sum(tl.where(m_i[:, None], b_D, 0.), 0)
-                b_r = b_r + tl.sum(b_r[:, None] * b_D, 0) * ((o_s % 16) < i)
-                b_D = tl.where(m_i[:, None] & m_bd, b_r[None, :], b_D)
-            b_I = (o_s[:, None] == o_s[None, :]).to(tl.float32)
-            b_D += b_I
-            if BT > 16:
-                b_N = tl.dot(b_D, -tl.where(m_bd, 0., b_L), input_precision="tf32x3")
-                b_N2 = tl.dot(b_N, b_N, input_precision="tf32x3")
-                b_M = b_I - b_N + b_N2
-                if BT > 32:
-                    b_M -= tl.dot(b_N2, b_N, input_precision="tf32x3")
-                b_A = tl.dot(b_M, b_D, input_precision="tf32x3")
-            else:
-                b_A = b_D
-            tl.store(A + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_A, mask=m_t[:, None])
-            b_Al = b_A.to(k.dtype.element_ty)
-            o_k = tl.arange(0, BK)
-            b_w = tl.dot(b_Al, (b_xl * (b_eta * tl.exp(b_Gx))[:, None]).to(k.dtype.element_ty))
-            tl.store(W + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
-                     mask=m_t[:, None] & (o_k < K)[None, :])
-            for i_v in range(tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_tv = m_t[:, None] & (o_v < V)[None, :]
-                p_v = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-                b_v = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
-                b_u = tl.dot(b_Al, (b_v * b_eta[:, None]).to(k.dtype.element_ty))
-                tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
+
+
+# ----------------------------------------------------------------------------------------------
+# falcon1's WY representation: A = (I + P)^-1 with P[t, s] = eta_t exp(G_{t-1} - G_s) x_t.x_s (s < t in
+# the chunk), W = A diag(eta exp(G_{t-1})) X, U0 = A diag(eta) V. As fla's fused kkt-solve: P by
+# 16-row blocks, forward substitution inside the diagonal blocks (16x16 tiles: cheap row steps),
+# then the blocks below the diagonal by products of the diagonal inverses.
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, r0, T, H: tl.constexpr, HV: tl.constexpr,
+             K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """The 16 rows from r0: shifted keys x, G_t, G_{t-1} (0 on the chunk's first row), eta_t, real-row mask."""
+    o_t = r0 + tl.arange(0, 16)
+    m_t = o_t < T
+    b_x, _ = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_Gx = tl.load(G + (bos + o_t - 1) * HV + i_hv, mask=m_t & (o_t > t0), other=0)
+    b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    return b_x, b_G, b_Gx, b_eta, m_t
+
+
+@triton.jit
+def _wy_block(b_xi, b_xj, b_Gxi, b_Gj, b_etai, m_i, DIAG: tl.constexpr):
+    """P's [16, 16] block of row block i and column block j (strictly lower on the diagonal, real rows)."""
+    o_i = tl.arange(0, 16)
+    m = m_i[:, None] & (o_i[:, None] > o_i[None, :]) if DIAG else m_i[:, None] & (o_i[None, :] >= 0)
+    b_kk = tl.dot(b_xi, tl.trans(b_xj))
+    return tl.where(m, b_etai[:, None] * tl.exp(tl.where(m, b_Gxi[:, None] - b_Gj[None, :], 0.)) * b_kk, 0.)
+
+
+@triton.jit
+def _wy_diag_inv(b_P):
+    """(I + P)^-1 of a strictly lower [16, 16] block: row i of its strict part is -P_i - P_i M (rows < i)."""
+    o_i = tl.arange(0, 16)
+    b_M = -b_P
+    for i in range(2, 16):
+        b_a = tl.sum(tl.where((o_i == i)[:, None], -b_P, 0.), 0)
+        b_a = tl.where(o_i < i, b_a, 0.)
+        b_a = b_a + tl.sum(b_a[:, None] * b_M, 0)
+        b_M = tl.where((o_i == i)[:, None], b_a[None, :], b_M)
+    return b_M + (o_i[:, None] == o_i[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _wy_store(A, b_blk, bos, i_hv, r0, c0, T, HV: tl.constexpr, BT: tl.constexpr):
+    o_i = tl.arange(0, 16)
+    tl.store(A + ((bos + r0 + o_i) * HV + i_hv)[:, None] * BT + (c0 + o_i)[None, :], b_blk,
+             mask=((r0 + o_i) < T)[:, None] & (o_i >= 0)[None, :])
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (1, 2, 4)],
+                 key=['H', 'HV', 'K', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offsets, T,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A = (I + P)^-1 of the chunk (BT = 16, 32 or 64: one, two or four row blocks), stored whole
+    (zeros above the diagonal) for _wy_wu and the backward."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = i_t * BT
+    b_x0, b_G0, b_Gx0, b_eta0, m_0 = _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, t0, T, H, HV, K,
+                                              BK, SHIFT, USE_INITIAL_STATE)
+    b_Ai00 = _wy_diag_inv(_wy_block(b_x0, b_x0, b_Gx0, b_G0, b_eta0, m_0, True))
+    _wy_store(A, b_Ai00, bos, i_hv, t0, 0, T, HV, BT)
+    b_zero = tl.zeros([16, 16], dtype=tl.float32)
+    if BT >= 32:
+        b_x1, b_G1, b_Gx1, b_eta1, m_1 = _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, t0 + 16, T,
+                                                  H, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_P10 = _wy_block(b_x1, b_x0, b_Gx1, b_G0, b_eta1, m_1, False)
+        b_Ai11 = _wy_diag_inv(_wy_block(b_x1, b_x1, b_Gx1, b_G1, b_eta1, m_1, True))
+        b_Ai10 = -tl.dot(tl.dot(b_Ai11, b_P10, input_precision="tf32x3"), b_Ai00, input_precision="tf32x3")
+        _wy_store(A, b_zero, bos, i_hv, t0, 16, T, HV, BT)
+        _wy_store(A, b_Ai10, bos, i_hv, t0 + 16, 0, T, HV, BT)
+        _wy_store(A, b_Ai11, bos, i_hv, t0 + 16, 16, T, HV, BT)
+    if BT >= 64:
+        b_x2, b_G2, b_Gx2, b_eta2, m_2 = _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, t0 + 32, T,
+                                                  H, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_x3, b_G3, b_Gx3, b_eta3, m_3 = _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, t0 + 48, T,
+                                                  H, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_P20 = _wy_block(b_x2, b_x0, b_Gx2, b_G0, b_eta2, m_2, False)
+        b_P21 = _wy_block(b_x2, b_x1, b_Gx2, b_G1, b_eta2, m_2, False)
+        b_P30 = _wy_block(b_x3, b_x0, b_Gx3, b_G0, b_eta3, m_3, False)
+        b_P31 = _wy_block(b_x3, b_x1, b_Gx3, b_G1, b_eta3, m_3, False)
+        b_P32 = _wy_block(b_x3, b_x2, b_Gx3, b_G2, b_eta3, m_3, False)
+        b_Ai22 = _wy_diag_inv(_wy_block(b_x2, b_x2, b_Gx2, b_G2, b_eta2, m_2, True))
+        b_Ai33 = _wy_diag_inv(_wy_block(b_x3, b_x3, b_Gx3, b_G3, b_eta3, m_3, True))
+        b_Ai21 = -tl.dot(tl.dot(b_Ai22, b_P21, input_precision="tf32x3"), b_Ai11, input_precision="tf32x3")
+        b_Ai32 = -tl.dot(tl.dot(b_Ai33, b_P32, input_precision="tf32x3"), b_Ai22, input_precision="tf32x3")
+        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_P20, b_Ai00, input_precision="tf32x3")
+                         + tl.dot(b_P21, b_Ai10, input_precision="tf32x3"), input_precision="tf32x3")
+        b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_P31, b_Ai11, input_precision="tf32x3")
+                         + tl.dot(b_P32, b_Ai21, input_precision="tf32x3"), input_precision="tf32x3")
+        b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_P30, b_Ai00, input_precision="tf32x3")
+                         + tl.dot(b_P31, b_Ai10, input_precision="tf32x3")
+                         + tl.dot(b_P32, b_Ai20, input_precision="tf32x3"), input_precision="tf32x3")
+        _wy_store(A, b_zero, bos, i_hv, t0, 32, T, HV, BT)
+        _wy_store(A, b_zero, bos, i_hv, t0, 48, T, HV, BT)
+        _wy_store(A, b_zero, bos, i_hv, t0 + 16, 32, T, HV, BT)
+        _wy_store(A, b_zero, bos, i_hv, t0 + 16, 48, T, HV, BT)
+        _wy_store(A, b_Ai20, bos, i_hv, t0 + 32, 0, T, HV, BT)
+        _wy_store(A, b_Ai21, bos, i_hv, t0 + 32, 16, T, HV, BT)
+        _wy_store(A, b_Ai22, bos, i_hv, t0 + 32, 32, T, HV, BT)
+        _wy_store(A, b_zero, bos, i_hv, t0 + 32, 48, T, HV, BT)
+        _wy_store(A, b_Ai30, bos, i_hv, t0 + 48, 0, T, HV, BT)
+        _wy_store(A, b_Ai31, bos, i_hv, t0 + 48, 16, T, HV, BT)
+        _wy_store(A, b_Ai32, bos, i_hv, t0 + 48, 32, T, HV, BT)
+        _wy_store(A, b_Ai33, bos, i_hv, t0 + 48, 48, T, HV, BT)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.jit
+def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chunk_offsets, T,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """W = A diag(eta exp(G_{t-1})) X and U0 = A diag(eta) V (inputs' dtype, fp32 accumulation)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = i_t * BT
+    o_s = tl.arange(0, BT)
+    o_t = t0 + o_s
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    b_xl, _ = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_Gx = tl.load(G + (bos + o_t - 1) * HV + i_hv, mask=m_t & (o_t > t0), other=0)
+    b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_Al = tl.load(A + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], mask=m_t[:, None],
+                   other=0).to(k.dtype.element_ty)
+    b_w = tl.dot(b_Al, (b_xl * (b_eta * tl.exp(b_Gx))[:, None]).to(k.dtype.element_ty))
+    tl.store(W + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_w.to(W.dtype.element_ty),
+             mask=m_t[:, None] & (o_k < K)[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_u = tl.dot(b_Al, (b_v * b_eta[:, None]).to(k.dtype.element_ty))
+        tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
 
 
 @triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
@@ -1278,8 +1381,12 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         U = torch.empty_like(v)
         vn = torch.empty_like(v)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, G, eta, A, W, U, cu_seqlens, ci, co, eps, eps_gamma, T,
-        DELTA=delta, PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+        k, v, beta, lam, last_k, count, tail_x, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
+        PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+    if delta:
+        common_s = {key: val for key, val in common.items() if key not in ('V', 'BV')}
+        _wy_solve[(NT, B * HV)](k, last_k, count, G, eta, A, cu_seqlens, ci, co, T, **common_s)
+        _wy_wu[(NT, B * HV)](k, v, last_k, count, G, eta, A, W, U, cu_seqlens, ci, co, T, **common)
     h = torch.empty(m['NTH'] if cu_seqlens is not None else B * NT, HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
