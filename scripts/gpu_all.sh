@@ -6,6 +6,9 @@
 #   STEPS="tests chunk" bash scripts/gpu_all.sh OUTDIR
 # Each step has its own time limit (T_TESTS, T_DECODE, T_CHUNK, T_ACC, T_MODEL seconds); the benchmarks
 # write their JSON/Markdown as they go, so a step cut short keeps what it measured.
+# The tests' compile workers load the CPUs, which inflates launch-bound timings on the other GPU
+# (seen on 2026-11-30 with 12 workers): PYTEST_WORKERS defaults to 6 here, and QUIET=1 starts the
+# benchmarks only after the tests have finished.
 # Without a package registry (our H200), source scripts/device_setup.sh first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,11 +24,11 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 tests_pid=
 if has tests; then
-    CUDA_VISIBLE_DEVICES=$TEST_GPU timeout "${T_TESTS:-900}" bash scripts/gpu_tests.sh "$OUT/gpu_tests.log" \
-        > "$OUT/gpu_tests.summary" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$TEST_GPU PYTEST_WORKERS=${PYTEST_WORKERS:-6} timeout "${T_TESTS:-900}" \
+        bash scripts/gpu_tests.sh "$OUT/gpu_tests.log" > "$OUT/gpu_tests.summary" 2>&1 &
     tests_pid=$!
-    # one GPU: the benchmarks wait for the tests
-    [ "$BENCH_GPU" = "$TEST_GPU" ] && wait $tests_pid
+    # one GPU, or QUIET=1: the benchmarks wait for the tests
+    if [ "$BENCH_GPU" = "$TEST_GPU" ] || [ -n "${QUIET:-}" ]; then wait $tests_pid; fi
 fi
 export CUDA_VISIBLE_DEVICES=$BENCH_GPU
 bench() {   # name, limit, command...
