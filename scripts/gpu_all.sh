@@ -40,7 +40,7 @@ bench() {   # name, limit, command...
 }
 has decode && bench decode "${T_DECODE:-240}" python3 benchmarks/benchmark_decode.py --out "$OUT"
 has decode && bench decode_sweep "${T_DECODE:-240}" python3 benchmarks/benchmark_decode.py --batch 1 64 \
-    --rules falcon3 falcon3a --sweep 8,1 16,2 32,4 64,4 128,4 --out "$OUT"
+    --rules falcon3 falcon3a --sweep 8,1 16,2 32,4 64,4 128,4 128,8 --out "$OUT"
 has chunk && bench chunk "${T_CHUNK:-900}" python3 benchmarks/benchmark_chunk.py --out "$OUT"
 has accuracy && bench accuracy "${T_ACC:-300}" python3 benchmarks/accuracy_chunk.py --out "$OUT"
 has model && bench model "${T_MODEL:-600}" python3 benchmarks/benchmark_model.py --out "$OUT"
