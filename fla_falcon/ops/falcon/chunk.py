@@ -104,6 +104,19 @@ def _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT: tl.cons
 
 
 @triton.jit
+def _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """For the kernels sequential over one sequence's chunks: (first token, length, first chunk, chunks)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    return bos, T, boh, tl.cdiv(T, BT)
+
+
+@triton.jit
 def _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H: tl.constexpr, K: tl.constexpr,
             BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """The write features x of the rows o_t ([BT, BK] in k's dtype) and whether each row carries a pair.
@@ -542,14 +555,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BT)
-    NT = tl.cdiv(T, BT)
+    bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -706,14 +712,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BT)
-    NT = tl.cdiv(T, BT)
+    bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]

@@ -68,6 +68,7 @@ from fla_falcon.ops.falcon.chunk import (
     _prep_fwd,
     _reduce_groups,
     _seq_info,
+    _seq_span,
 )
 
 
@@ -102,14 +103,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BT)
-    NT = tl.cdiv(T, BT)
+    bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_s = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -170,14 +164,7 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BT)
-    NT = tl.cdiv(T, BT)
+    bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_s = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
