@@ -327,8 +327,8 @@ def test_torchrun_data_parallel_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize('T,chunk,groups', [(37, 16, 1), (16, 16, 2), (5, 8, 1)])
-def test_mamba2_einsum_ssd_matches_fla(T, chunk, groups):
-    """The einsum SSD (evals/addition/torch_path.py) against fla's Mamba2.torch_forward: output, final SSM
+def test_mamba2_chunked_ssd_matches_fla(T, chunk, groups):
+    """The chunked SSD (evals/addition/torch_path.py) against fla's Mamba2.torch_forward: output, final SSM
     state and every parameter's and the input's gradient, lengths that are and are not chunk multiples."""
     from fla.layers.mamba2 import Mamba2
     torch.manual_seed(0)
@@ -346,10 +346,12 @@ def test_mamba2_einsum_ssd_matches_fla(T, chunk, groups):
                                      .view_as(out)).sum() + state.pow(2).sum(), params)
         return [out, state, *grads]
     ref = run(layer.torch_forward)
-    assert torch_path.use_einsum_ssd(torch.nn.ModuleList([layer])) == 1
+    assert torch_path.use_chunked_ssd(torch.nn.ModuleList([layer])) == 1
     new = run(layer.torch_forward)
     for i, (a, b) in enumerate(zip(ref, new)):
-        assert _rel_err(a, b) < 5e-5, i   # fp32 round-off (a wrong term is O(1))
+        # fp32 round-off (a wrong term is O(1)): on the 4-element gradients (A_log, dt_bias) both fla's
+        # torch_forward and the simple-GLA route are up to ~8e-5 off an fp64 evaluation, so they can differ by 1e-4
+        assert _rel_err(a, b) < 3e-4, i
     # cache / mask / decoding calls still go to fla's own code
     with torch.no_grad():
         mask = torch.ones(2, T, dtype=torch.long, device=DEVICE)

@@ -113,7 +113,7 @@ def build_model(name: str, size: dict, *, device: str = 'cpu', kernels: str = 'a
         config = fcfg.to_gated_deltanet_config() if name == 'gdn' else fcfg
     model = AutoModelForCausalLM.from_config(config).to(device)
     if name == 'mamba2':
-        torch_path.use_einsum_ssd(model)   # fla's torch_forward materializes huge products (torch_path)
+        torch_path.use_chunked_ssd(model)   # fla's torch_forward materializes huge products (torch_path)
     info = dict(name=name, route=route, model_class=type(model).__name__, model_type=config.model_type,
                 params=sum(p.numel() for p in model.parameters()), config=config.to_dict())
     return model, info

@@ -189,25 +189,20 @@ def naive_falcon_batched(q, k, v, beta, lam=None, *, initial_state=None, output_
     return o.reshape(T, B, HV, -1).transpose(0, 1), None
 
 
-def _segsum(x: torch.Tensor) -> torch.Tensor:
-    """[..., L] -> [..., L, L]: out[..., i, j] = sum_{j < m <= i} x[..., m] for j <= i, -inf above the diagonal."""
-    L = x.shape[-1]
-    cs = torch.cumsum(x, -1)
-    out = cs[..., :, None] - cs[..., None, :]
-    return out.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool, device=x.device)), -torch.inf)
-
-
 def mamba2_ssd_forward(self, input_states, last_state=None, use_cache=False, attention_mask=None, *, _orig):
-    """fla's `Mamba2.torch_forward` for training (no cache, no mask, no decoding step) with the SSD's
-    contractions as einsums. fla's version (transformers' "naive implementation without einsums")
-    materializes [batch, chunks, L, L, heads, 64]-sized broadcast products: ~2 GB per layer at the paper
-    preset's shape (B = 128, L = 64), 1.5-2.3 s a step on an H200. Same function, same parameters
-    (tests/test_addition.py checks outputs and gradients against fla's); anything else goes to fla's."""
+    """fla's `Mamba2.torch_forward` for training (no cache, no mask, no decoding step) with the SSD done
+    by fla's chunked PyTorch simple GLA (`naive_chunk_simple_gla`, matmuls per chunk): Mamba-2's SSD is
+    simple GLA with q = C, k = B, v = dt x, g = A dt and scale 1. fla's own version (transformers' "naive
+    implementation without einsums") materializes [batch, chunks, L, L, heads, 64]-sized broadcast
+    products: ~2 GB per layer at the paper preset's shape (B = 128, L = 64), 1.5-2.3 s a step on an H200.
+    Same function, same parameters (tests/test_addition.py checks outputs and gradients against fla's);
+    anything else goes to fla's."""
+    from fla.ops.simple_gla.naive import naive_chunk_simple_gla
     if last_state is not None or use_cache or attention_mask is not None:
         return _orig(input_states, last_state=last_state, use_cache=use_cache, attention_mask=attention_mask)
     bsz, T, _ = input_states.shape
     dtype = input_states.dtype
-    H, P, N, G, Lc = self.num_heads, self.head_dim, self.ssm_state_size, self.n_groups, self.chunk_size
+    H, P, N, G = self.num_heads, self.head_dim, self.ssm_state_size, self.n_groups
     proj = self.in_proj(input_states)
     d_mlp = (proj.shape[-1] - 2 * self.intermediate_size - 2 * G * N - H) // 2
     _, _, gate, xBC, dt = proj.split([d_mlp, d_mlp, self.intermediate_size, self.conv_dim, H], dim=-1)
@@ -219,31 +214,15 @@ def mamba2_ssd_forward(self, input_states, last_state=None, use_cache=False, att
     # head h reads group h % G (fla's `repeat`)
     B = B.reshape(bsz, T, G, N).float().repeat(1, 1, H // G, 1)
     C = C.reshape(bsz, T, G, N).float().repeat(1, 1, H // G, 1)
-    D_res = x * self._get_D(expand_to_head_dim=True)
-    pad = (Lc - T % Lc) % Lc
-    nc = (T + pad) // Lc
-
-    def chunks(t):   # [b, T, ...] -> [b, c, L, ...], zero-padded
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(bsz, nc, Lc, *t.shape[2:])
-    xdt, Bc, Cc = chunks(x * dt[..., None]), chunks(B), chunks(C)
-    a = chunks(A * dt).permute(0, 3, 1, 2)                                   # [b, H, c, L]
-    a_cs = torch.cumsum(a, -1)
-    # within a chunk: y_l = sum_{s <= l} (C_l . B_s) exp(a_cs_l - a_cs_s) xdt_s
-    scores = torch.einsum('bclhn,bcshn->bhcls', Cc, Bc) * torch.exp(_segsum(a))
-    y = torch.einsum('bhcls,bcshp->bclhp', scores, xdt)
-    # each chunk's state, the recurrence over chunks, and the states' contribution to the outputs
-    states = torch.einsum('bclhn,bhcl,bclhp->bchpn', Bc, torch.exp(a_cs[..., -1:] - a_cs), xdt)
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], 1)
-    decay = torch.exp(_segsum(F.pad(a_cs[..., -1], (1, 0))))                # [b, H, c + 1, c + 1]
-    new_states = torch.einsum('bhzc,bchpn->bzhpn', decay, states)
-    y = y + torch.einsum('bclhn,bchpn,bhcl->bclhp', Cc, new_states[:, :-1], torch.exp(a_cs))
-    y = (y.reshape(bsz, nc * Lc, H, P)[:, :T] + D_res).reshape(bsz, T, -1)
+    y, state = naive_chunk_simple_gla(C, B, x * dt[..., None], A * dt, output_final_state=True,
+                                      chunk_size=self.chunk_size, scale=1.0)
+    y = (y + x * self._get_D(expand_to_head_dim=True)).reshape(bsz, T, -1)
     out = self.norm(y, gate) if self.rmsnorm else y * self.act(gate)
-    return self.out_proj(out.to(dtype)), None, new_states[:, -1]
+    # fla's SSM state is [b, H, head_dim, state]; simple GLA's [b, H, K = state, V = head_dim]
+    return self.out_proj(out.to(dtype)), None, state.transpose(-1, -2)
 
 
-def use_einsum_ssd(model) -> int:
+def use_chunked_ssd(model) -> int:
     """Routes every fla Mamba2 mixer of `model` through `mamba2_ssd_forward`; returns how many."""
     from fla.layers.mamba2 import Mamba2
     n = 0
