@@ -79,11 +79,7 @@ def _resources(cubin: bytes) -> dict:
                 shared=int(shared.group(1)) if shared else None)
 
 
-self_arch = [None]
-
-
 def install(arch: int) -> None:
-    self_arch[0] = arch
     _driver.set_active(_CompileOnlyDriver(arch))
     orig_run = JITFunction.run
 
@@ -102,7 +98,7 @@ def install(arch: int) -> None:
             rec.update(_resources(kernel.asm['cubin']), ok=True)
             # Triton's shared memory is dynamic (cuobjdump's SHARED is the static part only)
             rec['shared'] = int(kernel.metadata.shared)
-            limit = MAX_SHARED.get(self_arch[0])
+            limit = MAX_SHARED.get(arch)
             if limit is not None and rec['shared'] > limit:
                 rec.update(ok=False, error=f"OutOfResources at launch: shared memory {rec['shared']} > {limit}")
         except Exception as e:   # noqa: BLE001  (a compiler crash is what we are looking for)

@@ -689,6 +689,8 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
         E = q.new_empty(B * T, H, dtype=torch.float32)
         seq_idx = None
         if cu_seqlens is not None:
+            # each token's sequence without a host sync (fla's prepare_sequence_ids reads the lengths on the
+            # host; this step also runs in CUDA-graph-captured decoding), empty sequences included
             seq_idx = torch.searchsorted(cu_seqlens, torch.arange(B * T, device=q.device, dtype=cu_seqlens.dtype),
                                          right=True) - 1
         falcon_window_energy_kernel[(B * T, H)](
