@@ -76,6 +76,7 @@ def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, 
             o, fs = naive_recurrent_falcon(*args, initial_state=st, **kw)
         else:
             o, fs = chunk_falcon(*args, initial_state=st, chunk_size=chunk_size, **kw)
+        assert o.dtype == xs['v'].dtype
         g = torch.Generator(device='cpu').manual_seed(seed)
         do = torch.randn(o.shape, generator=g).to(o.device, torch.float64)
         dS = torch.randn(fs.S.shape, generator=g).to(o.device, torch.float64)

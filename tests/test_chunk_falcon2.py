@@ -3,9 +3,10 @@
 outputs, final state and every gradient."""
 
 import pytest
+import test_chunk as base
 import torch
-from conftest import DEVICE
 from fla.utils import assert_close
+from test_chunk import RATIO, SAME_OP_RATIO, check
 
 from fla_falcon import FalconState
 from fla_falcon.ops.falcon.chunk import chunk_falcon
@@ -15,76 +16,15 @@ from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
 def chunk_falcon2(*args, **kwargs):
     return chunk_falcon(*args, rule='falcon2', **kwargs)
 
-# fp32 matmuls run in tf32 on the GPU
-RATIO = {torch.float32: 5e-3 if DEVICE == 'cuda' else 1e-4, torch.bfloat16: 2e-2}
-# two fp32 kernel runs that should agree: up to rounding on the CPU, up to TF32 rounding on the GPU
-SAME_OP_RATIO = {'cpu': 1e-5, 'cuda': 2e-3}
+
+def make_inputs(*args, **kwargs):
+    """test_chunk's inputs for falcon2 (per-column gains [B, T, HV, V])."""
+    return base.make_inputs('falcon2', *args, **kwargs)
 
 
-def make_inputs(B, T, H, G, K, V, lam_mode, init, device, seed=0, cu_seqlens=None, lam_scale=2.0,
-                beta_range=(0.1, 1.9)):
-    torch.manual_seed(seed)
-    HV = H * G
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    q = torch.randn(B, T, H, K, device=device)
-    k = torch.randn(B, T, H, K, device=device)
-    v = torch.randn(B, T, HV, V, device=device)
-    lo, hi = beta_range
-    beta = torch.rand(B, T, HV, V, device=device) * (hi - lo) + lo
-    lam = None if lam_mode == 'off' else torch.rand(B, T, HV, device=device) * lam_scale
-    if lam_mode == 'coupled':
-        lam = lam * 0.5
-    state = None
-    if init:
-        count = torch.tensor([(n + 1) % 2 for n in range(N)], dtype=torch.int32, device=device)   # fresh and seen
-        state = FalconState(0.1 * torch.randn(N, HV, K, V, device=device), torch.randn(N, H, K, device=device),
-                            torch.zeros(N, H, 0, K, device=device), torch.zeros(N, HV, 0, V, device=device), count)
-    return q, k, v, beta, lam, state
-
-
-def run_both(q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, cu_seqlens=None, chunk_size=64,
-             seed=1, eps=1e-6):
-    """Runs both ops with the same upstream gradients; returns [(name, ref, tri)]."""
-    leaves = {'q': q, 'k': k, 'v': v, 'beta': beta}
-    if lam is not None:
-        leaves['lam'] = lam
-    if state is not None:
-        leaves['S0'], leaves['last_k'] = state.S, state.last_k
-    kw = dict(lam_coupled=lam_mode == 'coupled', shift=shift, output_final_state=True, cu_seqlens=cu_seqlens,
-              eps=eps)
-    results = {}
-    for name, cast in (('ref', torch.float64), ('tri', dtype)):
-        # the reference sees the same (rounded) inputs; the state stays fp32 for the kernel
-        xs = {n: (t.detach().to(dtype).to(cast) if n not in ('S0', 'last_k') else
-                  t.detach().to(torch.float64 if name == 'ref' else torch.float32)).requires_grad_()
-              for n, t in leaves.items()}
-        st = None
-        if state is not None:
-            st = FalconState(xs['S0'], xs['last_k'], state.tail_x.to(xs['S0'].dtype),
-                             state.tail_v.to(xs['S0'].dtype), state.count)
-        args = (xs['q'], xs['k'], xs['v'], xs['beta'], xs.get('lam'))
-        if name == 'ref':
-            o, fs = naive_recurrent_falcon(*args, rule='falcon2', initial_state=st, **kw)
-        else:
-            o, fs = chunk_falcon2(*args, initial_state=st, chunk_size=chunk_size, **kw)
-        assert o.dtype == xs['v'].dtype
-        g = torch.Generator(device='cpu').manual_seed(seed)
-        do = torch.randn(o.shape, generator=g).to(o.device, torch.float64)
-        dS = torch.randn(fs.S.shape, generator=g).to(o.device, torch.float64)
-        loss = (o.double() * do).sum() + (fs.S.double() * dS).sum() + fs.last_k.double().sum()
-        loss.backward()
-        # a leaf that does not reach the loss has no gradient: compare it as zeros
-        results[name] = [('o', o), ('S', fs.S), ('last_k_T', fs.last_k)] + [
-            (f'd{n}', t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in xs.items()]
-        results[name + '_count'] = fs.count
-    assert torch.equal(results['ref_count'].cpu(), results['tri_count'].cpu())
-    return [(n, r.detach().double(), t.detach().double()) for (n, r), (_, t) in zip(results['ref'], results['tri'])]
-
-
-def check(pairs, dtype):
-    for name, ref, tri in pairs:
-        assert torch.isfinite(tri).all(), name
-        assert_close(name, ref, tri, RATIO[dtype])
+def run_both(*args, **kwargs):
+    """test_chunk's comparison (outputs, final state, every gradient) for falcon2."""
+    return base.run_both('falcon2', *args, **kwargs)
 
 
 @pytest.mark.parametrize('chunk_size', [16, 64])
