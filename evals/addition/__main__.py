@@ -21,7 +21,7 @@ PRESETS = {
     'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
                   train_max=32, test_min=33, test_max=48, steps=3000, batch_size=128, lr=2e-3, warmup=200,
                   weight_decay=0.1, eval_samples=1000, eval_batch_size=500, jobs_per_gpu=4, threads=2,
-                  mamba_chunk=64, curriculum=0.0, cuda_graph=True),
+                  mamba_chunk=64, curriculum=0.5, cuda_graph=True),
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
                   'gdn', 'deltanet', 'mamba2', 'transformer')

@@ -165,7 +165,9 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     local_batch = spec['batch_size'] // world
     steps = spec['steps']
     log_every = max(1, steps // 10)
-    losses = []
+    # per-step losses stay on the device: reading each one would synchronize every step and keep the CPU
+    # (next batch, next launch) from running ahead of the GPU; they are read every 20 steps
+    losses = torch.zeros(steps, dtype=torch.float32, device=device)
     start = time.perf_counter()
     progress = progress and rank == 0
     bar = tqdm(range(steps), desc=f"{spec['model']} s{spec['seed']}", position=position, leave=True,
@@ -207,18 +209,25 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                     opt.step()
-                losses.append(loss.item())
-                if not math.isfinite(losses[-1]):
-                    raise FloatingPointError(f"non-finite loss at step {step}")
-                if step % 20 == 0 or step == steps - 1:
-                    bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-                if not progress and rank == 0 and (step + 1) % log_every == 0:
-                    # without bars (logs of packed GPU runs): one line per tenth, to see the pace
-                    el = time.perf_counter() - start
-                    print(f"  {spec['model']} s{spec['seed']}: step {step + 1}/{steps}, loss "
-                          f"{sum(losses[-20:]) / len(losses[-20:]):.3f}, {el:.0f} s ({1e3 * el / (step + 1):.0f} ms/step)",
-                          flush=True)
-            train_time = time.perf_counter() - start
+                losses[step] = loss.detach()
+                if step + 1 == max(1, steps // 2):   # the pace of the second half: no compilation, no capture
+                    if str(device).startswith('cuda'):
+                        torch.cuda.synchronize()
+                    mid = (step + 1, time.perf_counter())
+                logline = not progress and rank == 0 and (step + 1) % log_every == 0
+                if (step + 1) % 20 == 0 or step == steps - 1 or logline:
+                    recent = losses[max(0, step - 19):step + 1]
+                    if not bool(torch.isfinite(recent).all()):
+                        raise FloatingPointError(f"non-finite loss between steps {max(0, step - 19)} and {step}")
+                    mean = float(recent.mean())
+                    bar.set_postfix(loss=f"{mean:.3f}")
+                    if logline:   # without bars (logs of packed GPU runs): one line per tenth, to see the pace
+                        el = time.perf_counter() - start
+                        print(f"  {spec['model']} s{spec['seed']}: step {step + 1}/{steps}, loss {mean:.3f}, "
+                              f"{el:.0f} s ({1e3 * el / (step + 1):.0f} ms/step)", flush=True)
+            end = time.perf_counter()   # the last step's loss was read: the device is done
+            train_time = end - start
+            record['ms_per_step'] = 1e3 * (end - mid[1]) / max(1, steps - mid[0])
             lengths = list(range(spec['train_min'], spec['test_max'] + 1))
             # the fixed test sets on rank 0 (the weights are the same on every rank)
             acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device) if rank == 0 else {}
@@ -229,7 +238,6 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
         return dict(record, status='failed', reason=f"{type(e).__name__}: {e}",
                     train_time_s=time.perf_counter() - start)
     bar.close()
-    tail = losses[-max(1, steps // 20):]
     return dict(record, train_time_s=train_time, eval_time_s=time.perf_counter() - start - train_time,
-                final_loss=sum(tail) / len(tail), accuracy={str(n): a for n, a in acc.items()},
+                final_loss=float(losses[-max(1, steps // 20):].mean()), accuracy={str(n): a for n, a in acc.items()},
                 train_lengths=[spec['train_min'], spec['train_max']], test_lengths=[spec['test_min'], spec['test_max']])
