@@ -862,27 +862,20 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_x = b_xl.to(tl.float32)
     b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
-        b_x, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
+        b_xl.to(tl.float32), beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-    b_dx = tl.load(dx + p_tk, mask=m_tk, other=0)
-    b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-    b_dgd = tl.zeros([BT], dtype=tl.float32)   # direct gradient of g_t (outside the cumsum)
     dt = b_xl.dtype   # matmul inputs in the inputs' dtype, as in the forward
-    b_deta = tl.zeros([BT], dtype=tl.float32)
     b_Gx = b_G - b_g
     b_b = b_eta * tl.exp(b_Gx)
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
     # A^T, loaded through transposed pointers (row s of A^T is column s of A)
     p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
     b_At = tl.load(A + p_At, mask=m_t[None, :], other=0).to(dt)
-    b_dw = tl.load(dw + p_tk, mask=m_tk, other=0).to(dt)
-    # W = A diag(b) X, U0 = A diag(eta) V: dA = dW (bX)^T + dU (eta V)^T
-    b_dA = tl.dot(b_dw, tl.trans((b_x * b_b[:, None]).to(dt)))
-    b_Atdw = tl.dot(b_At, b_dw)
-    b_dx += b_Atdw * b_b[:, None]
-    b_db = tl.sum(b_Atdw * b_x, 1)
+    # W = A diag(b) X, U0 = A diag(eta) V: dA = dU (eta V)^T + dW (bX)^T. The [BT, K] tiles (dx, dw, A^T dw)
+    # are loaded or formed only after the value loop and the dA products: fewer live registers (no spills)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_deta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -893,6 +886,8 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
         b_Atdu = tl.dot(b_At, b_du)
         tl.store(dv + p_tv, (b_Atdu * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_deta += tl.sum(b_Atdu * b_v, 1)
+    b_dw = tl.load(dw + p_tk, mask=m_tk, other=0).to(dt)
+    b_dA += tl.dot(b_dw, tl.trans((b_xl.to(tl.float32) * b_b[:, None]).to(dt)))
     # A = (I + L)^-1: dL = -A^T dA A^T on the strictly lower part
     b_dL = -tl.dot(tl.dot(b_At, b_dA.to(dt)).to(dt), b_At)
     m_l = (o_s[:, None] > o_s[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
@@ -900,20 +895,25 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
     b_P = b_dL * b_F * b_eta[:, None]
     # P^T through a scratch buffer: a transposed dot result fed into tl.dot miscompiles on Hopper
     tl.store(dP + p_A, b_P, mask=m_t[:, None])
-    tl.debug_barrier()
-    b_Pt = tl.load(dP + p_At, mask=m_t[None, :], other=0)
-    b_dx += tl.dot(b_P.to(dt), b_xl) + tl.dot(b_Pt.to(dt), b_xl)
+    b_dx = tl.dot(b_P.to(dt), b_xl)
     b_R = b_dL * b_F * tl.dot(b_xl, tl.trans(b_xl))
     b_deta += tl.sum(b_R, 1)
     b_Q = b_R * b_eta[:, None]
+    b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_dG += tl.sum(b_Q, 1) - tl.sum(b_Q, 0)
-    b_dgd -= tl.sum(b_Q, 1)
+    b_dgd = -tl.sum(b_Q, 1)   # direct gradient of g_t (outside the cumsum)
+    tl.debug_barrier()
+    b_Pt = tl.load(dP + p_At, mask=m_t[None, :], other=0)
+    b_dx += tl.dot(b_Pt.to(dt), b_xl)
+    b_Atdw = tl.dot(b_At, b_dw)
+    b_db = tl.sum(b_Atdw * b_xl.to(tl.float32), 1)
+    b_dx += tl.load(dx + p_tk, mask=m_tk, other=0) + b_Atdw * b_b[:, None]
     b_deta += b_db * tl.exp(b_Gx)
     b_dG += b_db * b_b
     b_dgd -= b_db * b_b
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_deta, b_lp, b_den, b_eta, b_a, clamped, valid)
-    _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t, i_hv,
-                      bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+    _store_gate_grads(b_xl.to(tl.float32), b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam,
+                      i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
 # ----------------------------------------------------------------------------------------------
