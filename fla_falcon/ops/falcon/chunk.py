@@ -41,8 +41,9 @@ is ``exp(G_C) S0 + sum_p x_p v_p^T M[C, p]`` with
 ``M[t, p] = sum_{r = max(p, t0)}^{min(t, p + W - 1)} c_r exp(G_t - G_r)`` (r: the steps of this chunk
 whose window holds pair p), built elementwise (at most W terms, exponents <= 0). The pairs p run over
 the chunk and over a 16-row block before it (the last W - 1 rows count; at a sequence start they come
-from the tail), each with its own tl.dot. ``_bwd_dhu`` is falcon1a's; ``_bwd_win`` does the rest per
-chunk: dq, dx, dv from the products; ``dM = scale (q.x)(do.v)`` (+ ``x^T dS_next v`` on the last row);
+from the tail), each with its own tl.dot. ``_bwd_dhu`` is falcon1a's; ``_bwd_win_dqv`` and ``_bwd_win_dk``
+do the rest per chunk: dq, dx, dv from the products; ``dM = scale (q.x)(do.v)`` (+ ``x^T dS_next v`` on the
+last row);
 ``dG_t += sum_p dM M``, ``dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p]``,
 ``dG_r -= c_r dc_r``; the gates' chain rule with ``deta = dc / B``; the energy gradient
 ``2 x_p sum_r dE_r / B_r`` over the steps whose window holds p. A pair gets gradient from the steps
@@ -210,19 +211,21 @@ def _gates_bwd(b_dG, b_dgd, b_deta, b_lp, b_den, b_eta, b_a, clamped, valid):
 
 
 @triton.jit
-def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t, i_hv,
-                      bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr,
-                      HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """Adds the energy path (dE = dden, E = ||x||^2) to dx and writes dk (x_t = k_{t-SHIFT}, so shifted
-    back by one row; row -1 is the carried last key), dbeta and dlam (no gradient through the E factor
-    of a coupled ridge)."""
-    o_k = tl.arange(0, BK)
-    b_dx += (2 * b_dden)[:, None] * b_x
+def _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV: tl.constexpr, HAS_LAM: tl.constexpr,
+                 LAM_COUPLED: tl.constexpr):
+    """Writes dbeta and dlam (no gradient through the E factor of a coupled ridge)."""
     tl.store(dbeta + (bos + o_t) * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     if HAS_LAM:
         if LAM_COUPLED:
             b_dlp = b_dlp * b_E
         tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp.to(dlam.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr,
+              BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key)."""
+    o_k = tl.arange(0, BK)
     r = o_t - SHIFT
     tl.store(dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
              mask=(m_t & (r >= 0))[:, None] & (o_k < K)[None, :])
@@ -231,6 +234,16 @@ def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k
             b_first = tl.sum(b_dx * ((o_t == 0).to(tl.float32) * valid.to(tl.float32))[:, None], 0)
             if i_t == 0:
                 tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
+
+
+@triton.jit
+def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t, i_hv,
+                      bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr,
+                      HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Adds the energy path (dE = dden, E = ||x||^2) to dx, writes dk, dbeta and dlam."""
+    _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
+    _store_dk(b_dx + (2 * b_dden)[:, None] * b_x, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK,
+              SHIFT, USE_INITIAL_STATE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1182,24 +1195,30 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
 
 
 # ----------------------------------------------------------------------------------------------
-# falcon3a backward: one pass per chunk over the value blocks. A pair p gets gradient from the steps
-# r = p..p+W-1 whose window holds it; those of the next chunk are computed by that chunk (its 16-row
-# block of pairs before the chunk) and land in dk2/dv2 (or in the tail's gradient), added on the host.
+# falcon3a backward, two kernels per chunk (one pass over the value blocks each: a single kernel that
+# carried every accumulator spilled ~1 KB of registers per thread at K = V = 128):
+#   _bwd_win_dqv: dq, dv, the decay/gate gradients (dbeta, dlam), and for _bwd_win_dk the window
+#                 products PM = scale (do.v) M ([t, p], read back transposed) and the energy weights;
+#   _bwd_win_dk:  dx (shifted onto dk) from PM^T q, the state path x^T dS v and the window energy.
+# A pair p gets gradient from the steps r = p..p+W-1 whose window holds it; those of the next chunk are
+# computed by that chunk (its 16-row block of pairs before the chunk) and land in dk2/dv2 (or in the
+# tail's gradient), added on the host.
 # ----------------------------------------------------------------------------------------------
 
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _bwd_win(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do,
-             dq, dk, dv, dk2, dv2, dlast_k, dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma,
-             cu_seqlens, chunk_indices, chunk_offsets, T,
-             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
-             SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _bwd_win_dqv(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do,
+                 dq, pm, pmp, wE, dbeta, dlam, scale, eps, eps_gamma,
+                 cu_seqlens, chunk_indices, chunk_offsets, T,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
+                 SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+                 USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o_t = scale q_t^T (exp(G_t) S0 + sum_p x_p v_p^T M[t, p]), S_end = exp(G_C) S0 + sum_p x_p v_p^T M[C, p]:
-    dq, dx, dv from the products, dM = scale (q.x)(do.v) (+ x^T dS_end v on the last row), then
-    dG_t += sum_p dM M, dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p], dG_r -= c_r dc_r,
-    the gates' chain rule (c = eta / B) and the window energy's gradient 2 x_p sum_r dE_r / B_r."""
+    dq and dv from the products; dM = scale (q.x)(do.v) (+ x^T dS_end v on the last row), then
+    dG_t += sum_p dM M, dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p], dG_r -= c_r dc_r and
+    the gates' chain rule (c = eta / B). Stores PM = scale (do.v) M for the pairs of the chunk (pm) and of the
+    block before it (pmp), and the window energy's weight 2 dE_r / B_r (wE), which _bwd_win_dk reads."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1221,24 +1240,9 @@ def _bwd_win(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, d
                                  USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_Gl = tl.load(G + (bos + last) * HV + i_hv)
-    valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
-        k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
-        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
-    b_c = b_eta * b_rB
-    # what the value-block loop needs ([p, t] orientation); the [t, p] ones are built after it
-    b_Mt = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, True)       # [p, t]
-    b_Mpt = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, True)    # [j, t]
-    b_mC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_t, valid, t0, WIN)
-    b_mpC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, t0, WIN)
-    b_AMt = tl.dot(b_xl, tl.trans(b_q)) * scale * b_Mt
-    b_AMpt = tl.dot(b_xpl, tl.trans(b_q)) * scale * b_Mpt
     b_dqS = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dxS = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dxSp = tl.zeros([16, BK], dtype=tl.float32)
     b_P = tl.zeros([BT, BT], dtype=tl.float32)
-    b_Pt = tl.zeros([BT, BT], dtype=tl.float32)
     b_Pp = tl.zeros([BT, 16], dtype=tl.float32)
-    b_Ppt = tl.zeros([16, BT], dtype=tl.float32)
     b_e = tl.zeros([BT], dtype=tl.float32)
     b_ep = tl.zeros([16], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
@@ -1256,40 +1260,27 @@ def _bwd_win(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, d
                            USE_INITIAL_STATE).to(dt)
         b_dqS += tl.dot(b_do, tl.trans(b_h))
         b_P += tl.dot(b_do, tl.trans(b_v))
-        b_Pt += tl.dot(b_v, tl.trans(b_do))
         b_Pp += tl.dot(b_do, tl.trans(b_vp))
-        b_Ppt += tl.dot(b_vp, tl.trans(b_do))
         b_xdh = tl.dot(b_xl, b_dh.to(dt))
         b_xpdh = tl.dot(b_xpl, b_dh.to(dt))
         b_e += tl.sum(b_xdh * b_v.to(tl.float32), 1)
         b_ep += tl.sum(b_xpdh * b_vp.to(tl.float32), 1)
-        b_dxS += tl.dot(b_v, tl.trans(b_dh.to(dt)))
-        b_dxSp += tl.dot(b_vp, tl.trans(b_dh.to(dt)))
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        b_dv = tl.dot(b_AMt.to(dt), b_do) + b_mC[:, None] * b_xdh
-        tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
-        if WIN > 1:
-            b_dvp = tl.dot(b_AMpt.to(dt), b_do) + b_mpC[:, None] * b_xpdh
-            m_pv = (o_v < V)[None, :]
-            tl.store(dv2 + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dvp,
-                     mask=(m_p & (o_p >= 0))[:, None] & m_pv)
-            if USE_INITIAL_STATE:
-                tl.store(dtail_v + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * V + o_v[None, :],
-                         b_dvp, mask=(m_p & (o_p < 0))[:, None] & m_pv)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh, 1)
     # the chunk-start state's paths
     b_dq = b_dqS * (tl.exp(b_G) * scale)[:, None]
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) + tl.where(o_t == last, tl.exp(b_Gl) * tl.sum(b_hdh, 0), 0.)
     # the window paths
     b_M = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, False)       # [t, p]
     b_Mp = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, False)    # [t, j]
-    b_dq += tl.dot((b_P * b_M * scale).to(dt), b_xl) + tl.dot((b_Pp * b_Mp * scale).to(dt), b_xpl)
-    b_dx = tl.dot((b_Pt * b_Mt * scale).to(dt), b_q) + b_mC[:, None] * b_dxS
-    b_dxp = tl.dot((b_Ppt * b_Mpt * scale).to(dt), b_q) + b_mpC[:, None] * b_dxSp
+    b_PM = b_P * b_M * scale
+    b_PMp = b_Pp * b_Mp * scale
+    tl.store(pm + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_PM, mask=m_t[:, None])
+    tl.store(pmp + ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_j[None, :], b_PMp, mask=m_t[:, None])
+    b_dq += tl.dot(b_PM.to(dt), b_xl) + tl.dot(b_PMp.to(dt), b_xpl)
+    tl.store(dq + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
     is_last = (o_t == last)[:, None]
-    b_A = tl.dot(b_q, tl.trans(b_xl)) * scale
-    b_Ap = tl.dot(b_q, tl.trans(b_xpl)) * scale
-    b_dM = b_A * b_P + tl.where(is_last, b_e[None, :], 0.)
-    b_dMp = b_Ap * b_Pp + tl.where(is_last, b_ep[None, :], 0.)
+    b_dM = tl.dot(b_q, tl.trans(b_xl)) * scale * b_P + tl.where(is_last, b_e[None, :], 0.)
+    b_dMp = tl.dot(b_q, tl.trans(b_xpl)) * scale * b_Pp + tl.where(is_last, b_ep[None, :], 0.)
     b_dG += tl.sum(b_dM * b_M, 1) + tl.sum(b_dMp * b_Mp, 1)
     # dc_r: for each offset d the pairs p = r - d; a one-hot sum moves the result from p to r's row
     # (dM is 0 in the columns of missing pairs: x = 0 there; index masks only, as in _win_M)
@@ -1308,24 +1299,97 @@ def _bwd_win(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, d
             m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
             b_y = tl.sum(tl.where(m, tl.exp(tl.where(m, b_G[:, None] - b_Gr[None, :], 0.)) * b_dMp, 0.), 0)
             b_dc += tl.sum(tl.where((o_j[None, :] + d - 16) == o_s[:, None], b_y[None, :], 0.), 1)
-    b_dG -= b_c * b_dc
+    valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
+        k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
+        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+    b_dG -= b_eta * b_rB * b_dc
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, tl.zeros([BT], dtype=tl.float32), b_dc * b_rB, b_lp, b_den,
                                         b_eta, b_a, clamped, valid)
+    _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
     # the window energy E_r = sum_{p in window(r)} ||x_p||^2 / B_r: dx_p += 2 x_p sum_r dE_r / B_r
-    b_w = 2 * b_dden * b_rB
-    b_ws = tl.zeros([BT], dtype=tl.float32)
-    b_wsp = tl.zeros([16], dtype=tl.float32)
-    for d in tl.static_range(WIN):
-        b_ws += tl.sum(tl.where(o_s[None, :] == (o_s[:, None] + d), b_w[None, :], 0.), 1)
+    tl.store(wE + (bos + o_t) * HV + i_hv, 2 * b_dden * b_rB, mask=m_t)
+
+
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.jit
+def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE,
+                dk, dv, dk2, dv2, dlast_k, dtail_x, dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
+                SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dx_p = sum_t PM[t, p] q_t + M[C, p] dS_end v_p + x_p sum_{r: p in window(r)} wE_r for the pairs of
+    the chunk (written as dk) and of the 16-row block before it (dk2, or the tail's gradient)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = i_t * BT
+    o_s = tl.arange(0, BT)
+    o_t = t0 + o_s
+    m_t = o_t < T
+    last = min(t0 + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    o_j = tl.arange(0, 16)
+    o_p = t0 - 16 + o_j
+    m_p = o_p >= t0 - (WIN - 1)
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_xpl, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                                 USE_INITIAL_STATE)
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
+    dt = b_xl.dtype
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+    # dv = (scale x q^T * M^T) do + M[C, p] x dS_end: the [p, t] weights, built before the value loop
+    b_AMt = (tl.dot(b_xl, tl.trans(b_q)) * scale
+             * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, True)).to(dt)
+    b_AMpt = (tl.dot(b_xpl, tl.trans(b_q)) * scale
+              * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, True)).to(dt)
+    b_mC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_t, valid, t0, WIN)
+    b_mpC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, t0, WIN)
+    b_dxS = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dxSp = tl.zeros([16, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(dt)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(dt)
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
+                           USE_INITIAL_STATE).to(dt)
+        b_dxS += tl.dot(b_v, tl.trans(b_dh))
+        b_dxSp += tl.dot(b_vp, tl.trans(b_dh))
+        b_dv = tl.dot(b_AMt, b_do) + b_mC[:, None] * tl.dot(b_xl, b_dh)
+        tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         if WIN > 1:
-            b_wsp += tl.sum(tl.where(o_s[None, :] == (o_j[:, None] + d - 16), b_w[None, :], 0.), 1)
-    b_xf = b_xl.to(tl.float32)
-    b_dx += b_ws[:, None] * b_xf
-    b_dxp += b_wsp[:, None] * b_xpl.to(tl.float32)
-    tl.store(dq + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    _store_gate_grads(b_xf, b_dx, b_dbeta, b_dlp, tl.zeros([BT], dtype=tl.float32), b_E, valid, dk, dlast_k, dbeta,
-                      dlam, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+            b_dvp = tl.dot(b_AMpt, b_do) + b_mpC[:, None] * tl.dot(b_xpl, b_dh)
+            m_pv = (o_v < V)[None, :]
+            tl.store(dv2 + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dvp,
+                     mask=(m_p & (o_p >= 0))[:, None] & m_pv)
+            if USE_INITIAL_STATE:
+                tl.store(dtail_v + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * V + o_v[None, :],
+                         b_dvp, mask=(m_p & (o_p < 0))[:, None] & m_pv)
+    # PM^T through transposed pointers (row p of PM^T is column p of PM): a transposed dot result must
+    # not feed tl.dot on Hopper, and PM comes from the other kernel anyway
+    b_PMt = tl.load(pm + ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None], mask=m_t[None, :], other=0)
+    b_dx = tl.dot(b_PMt.to(dt), b_q) + b_mC[:, None] * b_dxS
+    # the window energy: pair p is in the windows of r = p..p+W-1 (those inside this chunk)
+    b_ws = tl.zeros([BT], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        b_ws += tl.load(wE + (bos + o_t + d) * HV + i_hv, mask=(o_s + d < BT) & (o_t + d < T), other=0)
+    b_dx += b_ws[:, None] * b_xl.to(tl.float32)
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE)
     if WIN > 1:
+        b_PMpt = tl.load(pmp + ((bos + o_t) * HV + i_hv)[None, :] * 16 + o_j[:, None], mask=m_t[None, :], other=0)
+        b_dxp = tl.dot(b_PMpt.to(dt), b_q) + b_mpC[:, None] * b_dxSp
+        b_wsp = tl.zeros([16], dtype=tl.float32)
+        for d in tl.static_range(WIN):
+            r = o_p + d
+            b_wsp += tl.load(wE + (bos + r) * HV + i_hv, mask=(r >= t0) & (r < T), other=0)
+        b_dxp += b_wsp[:, None] * b_xpl.to(tl.float32)
         m_pk = (o_k < K)[None, :]
         # o_p >= 9 here (chunks of >= 16 rows), so the shifted key row o_p - SHIFT exists
         tl.store(dk2 + ((bos + o_p - SHIFT) * HV + i_hv)[:, None] * K + o_k[None, :], b_dxp,
@@ -1422,7 +1486,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     f32 = dict(device=dev, dtype=torch.float32)
     do = do.contiguous()
     if win:
-        du = torch.empty(0, **f32)   # falcon3a computes its dv in _bwd_win; _bwd_dhu does not read du
+        du = torch.empty(0, **f32)   # falcon3a computes its dv in _bwd_win_dqv; _bwd_dhu does not read du
     else:
         du = torch.empty(B, T, HV, V, **f32)
         dv_local = _bwd_dv_local_col if per_col else _bwd_dv_local
@@ -1452,11 +1516,16 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init else None
         # fp32 inputs double the kernel's shared-memory dot operands: at BV = 64 it needs 236 KB at K = V = 64,
         # over Hopper's 227 KB (OutOfResources at launch; scripts/aot_check.py): narrower value blocks there
-        win_common = dict(common, BV=min(common['BV'], 32 if q.element_size() > 2 else 64))
-        _bwd_win[(NT, B * HV)](
-            q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do, dq, dk, dv, dk2, dv2, dlast_k,
-            dtail_x, dtail_v, dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates,
-            **win_common)
+        win_common = dict(common, BV=min(common["BV"], 32 if q.element_size() > 2 else 64))
+        pm = torch.empty(B, T, HV, BT, **f32)
+        pmp = torch.empty(B, T, HV, 16, **f32)
+        wE = torch.empty(B, T, HV, **f32)
+        _bwd_win_dqv[(NT, B * HV)](
+            q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do, dq, pm, pmp, wE, dbeta, dlam,
+            scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates, **win_common)
+        _bwd_win_dk[(NT, B * HV)](
+            q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE, dk, dv, dk2, dv2, dlast_k, dtail_x,
+            dtail_v, scale, cu_seqlens, ci, co, T, WIN=win, **win_common)
         if win > 1:
             dk, dv = dk + dk2, dv + dv2
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
