@@ -82,22 +82,30 @@ def test_generate_matches_greedy_loop():
     """generate() with the cache scores every new token as the full forward (no cache) does on the same
     prefix, and picks its argmax. On a GPU the two paths run different kernels (chunk for the full forward,
     fused_recurrent steps with the cache; fp32 dots in TF32), so a near tie in this random model may pick
-    another token there: the logits are compared with a tolerance, the tokens bitwise on the CPU only."""
+    another token there: the logits are compared with a tolerance, the tokens bitwise on the CPU only.
+    min_new_tokens=4 makes generate() mask <eos> (id 2) in the scores it picks from, so the greedy loop
+    masks it too, and the tokens are checked against the processed scores, not the raw logits (on the
+    H200 the raw argmax was <eos> once)."""
     model = make_model(tiny_config('falcon3a', window=6))
+    eos = model.config.eos_token_id
     prompt = torch.randint(3, VOCAB, (2, 4), device=DEVICE)
     with torch.no_grad():
         out = quiet(model.generate, prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
-                    do_sample=False, min_new_tokens=4, output_logits=True, return_dict_in_generate=True)
+                    do_sample=False, min_new_tokens=4, output_logits=True, output_scores=True,
+                    return_dict_in_generate=True)
         gen = out.sequences
         assert gen.shape == (2, 8)
         # teacher-forced on generate's own tokens: the full forward's logits at the positions before them
         ref = quiet(model, gen[:, :-1], use_cache=False).logits[:, 3:]
         assert_close('generate logits', ref, torch.stack(out.logits, 1), TOL)
-        assert torch.equal(gen[:, 4:], torch.stack(out.logits, 1).argmax(-1))
+        scores = torch.stack(out.scores, 1)
+        assert bool((scores[..., eos] == float('-inf')).all())   # the min-length processor's mask
+        assert torch.equal(gen[:, 4:], scores.argmax(-1))
         if DEVICE == 'cpu':
             ids = prompt
-            for _ in range(4):   # no cache: the full forward every step
-                nxt = quiet(model, ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(4):   # no cache: the full forward every step, <eos> masked as generate() does
+                logits = quiet(model, ids, use_cache=False).logits[:, -1]
+                nxt = logits.index_fill(-1, torch.tensor([eos], device=DEVICE), float('-inf')).argmax(-1, keepdim=True)
                 ids = torch.cat([ids, nxt], 1)
             assert torch.equal(gen, ids)
 
