@@ -6,7 +6,8 @@ All are built through transformers' Auto classes (`AutoModelForCausalLM.from_con
 - ``falcon1 falcon2 falcon3 falcon1a falcon2a falcon3a``: FalconNet with that rule (fla_falcon.models);
   ``<rule>-noshift``: the same with ``shift=False`` (same-step pair (phi(k_t), v_t), the ablation).
 - ``gdn``: fla's GatedDeltaNet, from ``FalconNetConfig.to_gated_deltanet_config()`` (only the mixer differs).
-- ``deltanet``: fla's DeltaNet (l2-normalized q/k, short convs, output gate, as GDN).
+- ``deltanet``: fla's DeltaNet (l2-normalized q/k, short convs, output gate, as GDN), through fla's
+  ``fused_recurrent_delta_rule`` (fla's chunk kernel refuses the fp32 these models train in).
 - ``mamba2``: fla's Mamba2 (no MLP blocks, so 2x layers, Mamba's convention for matching a Transformer).
 - ``transformer``: transformers' LlamaForCausalLM (RoPE, SDPA attention): fla's Transformer needs flash-attn.
 
@@ -92,7 +93,9 @@ def build_model(name: str, size: dict, *, device: str = 'cpu', kernels: str = 'a
     if name in BASELINES and name != 'gdn':
         if name == 'deltanet':
             from fla.models import DeltaNetConfig
-            config = DeltaNetConfig(attn_mode='chunk', hidden_size=h, num_heads=nh, expand_k=1.0, expand_v=1.0,
+            # fla's chunk_delta_rule refuses fp32 inputs (these models train in fp32); its fused_recurrent kernel
+            # takes them and has a backward (tests/test_addition.py checks it against the reference on the GPU)
+            config = DeltaNetConfig(attn_mode='fused_recurrent', hidden_size=h, num_heads=nh, expand_k=1.0, expand_v=1.0,
                                     use_gate=True, num_hidden_layers=L, intermediate_size=inter, **fla_common)
         elif name == 'mamba2':
             from fla.models import Mamba2Config
