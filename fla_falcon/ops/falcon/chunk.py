@@ -47,8 +47,9 @@ last row);
 ``dG_t += sum_p dM M``, ``dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p]``,
 ``dG_r -= c_r dc_r``; the gates' chain rule with ``deta = dc / B``; the energy gradient
 ``2 x_p sum_r dE_r / B_r`` over the steps whose window holds p. A pair gets gradient from the steps
-p..p+W-1, so the pairs before a chunk get theirs from that chunk (the 16-row block) into separate
-buffers (dk2/dv2, or the tail's gradient at a sequence start) that the host adds to dk/dv. The final
+p..p+W-1, so the last W - 1 pairs of a chunk get theirs from two programs: atomic adds into the zeroed
+fp32 dk and dv (two addends onto 0: the same sum in either order), or the tail's gradient at a sequence
+start. The final
 state's tail is gathered on the host from k, v and the old tail (an indexing: autograd handles it).
 """
 
@@ -1197,12 +1198,12 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
 # ----------------------------------------------------------------------------------------------
 # falcon3a backward, two kernels per chunk (one pass over the value blocks each: a single kernel that
 # carried every accumulator spilled ~1 KB of registers per thread at K = V = 128):
-#   _bwd_win_dqv: dq, dv, the decay/gate gradients (dbeta, dlam), and for _bwd_win_dk the window
-#                 products PM = scale (do.v) M ([t, p], read back transposed) and the energy weights;
-#   _bwd_win_dk:  dx (shifted onto dk) from PM^T q, the state path x^T dS v and the window energy.
+#   _bwd_win_dqv: dq, the decay/gate gradients (dbeta, dlam), and for _bwd_win_dk the window products
+#                 PM = scale (do.v) M ([t, p], read back transposed) and the energy weights;
+#   _bwd_win_dk:  dv, and dx (shifted onto dk) from PM^T q, the state path x^T dS v and the window energy.
 # A pair p gets gradient from the steps r = p..p+W-1 whose window holds it; those of the next chunk are
-# computed by that chunk (its 16-row block of pairs before the chunk) and land in dk2/dv2 (or in the
-# tail's gradient), added on the host.
+# computed by that chunk (its 16-row block of pairs before the chunk) and atomically added into dk/dv
+# (or into the tail's gradient).
 # ----------------------------------------------------------------------------------------------
 
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
@@ -1313,12 +1314,14 @@ def _bwd_win_dqv(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, d
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE,
-                dk, dv, dk2, dv2, dlast_k, dtail_x, dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+                dk, dv, dlast_k, dtail_x, dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
                 SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dx_p = sum_t PM[t, p] q_t + M[C, p] dS_end v_p + x_p sum_{r: p in window(r)} wE_r for the pairs of
-    the chunk (written as dk) and of the 16-row block before it (dk2, or the tail's gradient)."""
+    """dx_p = sum_t PM[t, p] q_t + M[C, p] dS_end v_p + x_p sum_{r: p in window(r)} wE_r, and dv_p, for the
+    pairs of the chunk and of the 16-row block before it (the tail's gradient at a sequence start). The
+    last W - 1 pairs of a chunk also get gradient from the next chunk's program: those rows of dk and dv
+    (fp32, zero-initialized) are atomic adds, two addends onto 0, so the sum does not depend on their order."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1363,12 +1366,15 @@ def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp,
         b_dxS += tl.dot(b_v, tl.trans(b_dh))
         b_dxSp += tl.dot(b_vp, tl.trans(b_dh))
         b_dv = tl.dot(b_AMt, b_do) + b_mC[:, None] * tl.dot(b_xl, b_dh)
-        tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        if WIN == 1:
+            tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         if WIN > 1:
+            tl.store(dv + p_tv, b_dv, mask=m_tv & (o_s < BT - (WIN - 1))[:, None])
+            tl.atomic_add(dv + p_tv, b_dv, mask=m_tv & (o_s >= BT - (WIN - 1))[:, None])
             b_dvp = tl.dot(b_AMpt, b_do) + b_mpC[:, None] * tl.dot(b_xpl, b_dh)
             m_pv = (o_v < V)[None, :]
-            tl.store(dv2 + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dvp,
-                     mask=(m_p & (o_p >= 0))[:, None] & m_pv)
+            tl.atomic_add(dv + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dvp,
+                          mask=(m_p & (o_p >= 0))[:, None] & m_pv)
             if USE_INITIAL_STATE:
                 tl.store(dtail_v + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * V + o_v[None, :],
                          b_dvp, mask=(m_p & (o_p < 0))[:, None] & m_pv)
@@ -1381,7 +1387,19 @@ def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp,
     for d in tl.static_range(WIN):
         b_ws += tl.load(wE + (bos + o_t + d) * HV + i_hv, mask=(o_s + d < BT) & (o_t + d < T), other=0)
     b_dx += b_ws[:, None] * b_xl.to(tl.float32)
-    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+    if WIN == 1:
+        _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+    else:
+        r = o_t - SHIFT
+        m_r = (m_t & (r >= 0))[:, None] & (o_k < K)[None, :]
+        p_r = dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :]
+        tl.store(p_r, b_dx, mask=m_r & (o_s < BT - (WIN - 1))[:, None])
+        tl.atomic_add(p_r, b_dx, mask=m_r & (o_s >= BT - (WIN - 1))[:, None])
+        if SHIFT:
+            if USE_INITIAL_STATE:
+                b_first = tl.sum(b_dx * ((o_t == 0).to(tl.float32) * valid.to(tl.float32))[:, None], 0)
+                if i_t == 0:
+                    tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
     if WIN > 1:
         b_PMpt = tl.load(pmp + ((bos + o_t) * HV + i_hv)[None, :] * 16 + o_j[:, None], mask=m_t[None, :], other=0)
         b_dxp = tl.dot(b_PMpt.to(dt), b_q) + b_mpC[:, None] * b_dxSp
@@ -1392,8 +1410,8 @@ def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp,
         b_dxp += b_wsp[:, None] * b_xpl.to(tl.float32)
         m_pk = (o_k < K)[None, :]
         # o_p >= 9 here (chunks of >= 16 rows), so the shifted key row o_p - SHIFT exists
-        tl.store(dk2 + ((bos + o_p - SHIFT) * HV + i_hv)[:, None] * K + o_k[None, :], b_dxp,
-                 mask=(m_p & (o_p >= 0))[:, None] & m_pk)
+        tl.atomic_add(dk + ((bos + o_p - SHIFT) * HV + i_hv)[:, None] * K + o_k[None, :], b_dxp,
+                      mask=(m_p & (o_p >= 0))[:, None] & m_pk)
         if USE_INITIAL_STATE:
             tl.store(dtail_x + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * K + o_k[None, :], b_dxp,
                      mask=(m_p & (o_p < 0))[:, None] & m_pk)
@@ -1501,17 +1519,16 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
-    # with the shift nothing writes the last row; falcon3a adds dk2 to it: fp32 then
+    # with the shift nothing writes the last row; falcon3a (W > 1) adds into dk and dv atomically: fp32, zeroed
     dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt if win <= 1 else torch.float32)
-    dv = torch.empty_like(v) if win <= 1 else torch.empty(v.shape, **f32)
+    dv = torch.empty_like(v) if win <= 1 else torch.zeros(v.shape, **f32)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if win:
-        # the pairs before each chunk get their gradient from the next chunk: separate buffers, added here
-        dk2 = torch.zeros(B, T, HV, K, **f32) if win > 1 else None
-        dv2 = torch.zeros(B, T, HV, V, **f32) if win > 1 else None
+        # the last W - 1 pairs of each chunk get gradient from two programs (atomic adds into the zeroed
+        # fp32 dk and dv), those of a carried tail from the first chunk
         dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init else None
         dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init else None
         # fp32 inputs double the kernel's shared-memory dot operands: at BV = 64 it needs 236 KB at K = V = 64,
@@ -1524,10 +1541,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
             q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do, dq, pm, pmp, wE, dbeta, dlam,
             scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates, **win_common)
         _bwd_win_dk[(NT, B * HV)](
-            q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE, dk, dv, dk2, dv2, dlast_k, dtail_x,
-            dtail_v, scale, cu_seqlens, ci, co, T, WIN=win, **win_common)
-        if win > 1:
-            dk, dv = dk + dk2, dv + dv2
+            q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE, dk, dv, dlast_k, dtail_x, dtail_v,
+            scale, cu_seqlens, ci, co, T, WIN=win, **win_common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
     if per_col:
         o32 = A
