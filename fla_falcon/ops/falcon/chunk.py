@@ -25,7 +25,8 @@ Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum), falcon1's ``_wy_s
 Backward: ``_bwd_dv_local`` + ``_bwd_dhu`` (state gradients, dU), ``_bwd_dqx`` (dq, the attention
 part of dx, the decay gradients of the output/state paths; falcon1a finishes there with the gates'
 chain rule) and, for falcon1, ``_bwd_gates`` (the WY backward, then the gates' chain rule).
-falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col`` and ``_bwd_col`` for the intra-chunk parts.
+falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col``, ``_bwd_col_gates`` (gates, state paths) and
+``_bwd_col_ds`` (intra-chunk products) for the per-column parts.
 The decay gradient uses the usual identities (every ``+G_t`` term of an output / every ``-G_s``
 term of a write): ``dG_t = q_t.dq_t - x_t.dx_t`` (scalar decay) or ``o_t * do_t - u_t * du_t``
 (per column), plus ``<S_next, dS_next>`` on the chunk's last row; ``dg`` is its reverse cumsum
@@ -81,6 +82,9 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # the sequential state kernels run one program per (value block, sequence, head): narrower value
 # blocks give more programs when there are few sequences
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
+# the per-column gates kernel holds ~20 [BT, BV] fp32 tiles besides its [BT, K] accumulators: narrow value
+# blocks (ptxas stack at K = V = 128 bf16: 830-1080 B at BV = 64, 280-380 B at 32, 64-220 B at 16)
+CONFIGS_COL = [triton.Config({'BV': bv}, num_warps=8, num_stages=s) for bv in (16, 32) for s in (2, 3)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1039,25 +1043,27 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COL, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval, ds_buf, dm_buf,
-             dq, dk, dv, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
-             cu_seqlens, chunk_indices, chunk_offsets, T,
-             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The per-column rules per chunk, one pass over the value blocks: dq, dx, and the per-column decay
+def _bwd_col_gates(q, k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dqa, dxa,
+                   dv, dbeta, dlam, scale, eps, eps_gamma,
+                   cu_seqlens, chunk_indices, chunk_offsets, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The per-column rules per chunk, first kernel (one pass over the value blocks): the per-column decay
     gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum
-    and the gates' chain rule. The written vectors are u = eta * val:
+    and the gates' chain rule (dbeta, dv, dlam written), and the state paths of dq (dqa, scaled) and of
+    dx (dxa, with the energy path 2 dden x); _bwd_col_ds adds the intra-chunk products. The written
+    vectors are u = eta * val:
 
     - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
       which the state path is added here;
     - falcon2 (DELTA=True, chunk_col.py): val = r = v - x.S_{t-1} (the residual), dval = drhs from the
-      transposed solve (all paths). On top: the X S0 path of the right-hand side (dx), the Gram path
-      dM[t, j] = -sum_c a_t u_j exp(Gx_t - G_j) with a = eta drhs, and Gx = G - g in the right side and L
-      (-a p with p = v - r the prediction), which g_t itself does not enter."""
+      transposed solve (all paths). On top: the X S0 path of the right-hand side (dx), and Gx = G - g in
+      the right side and L (-a p with p = v - r the prediction, a = eta drhs), which g_t itself does not
+      enter."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1068,11 +1074,9 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
     last = min(i_t * BT + BT, T) - 1
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    dt = b_q.dtype
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_x = b_xl.to(tl.float32)
-    b_E, b_lp, b_den = _stats(b_x, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    dt = b_xl.dtype
+    b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
     # per-row float factors instead of bool masks: Triton cannot move i1 tensors between layouts
     # through shared memory, and these rows meet the dot layouts below
     ok = valid & (b_den > 0)
@@ -1080,10 +1084,6 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
     b_validf = valid.to(tl.float32)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
-    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dmd = tl.zeros([BT, BT], dtype=tl.float32)
     b_dden = tl.zeros([BT], dtype=tl.float32)
     b_dlp = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -1097,7 +1097,6 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
         b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_o = tl.load(o + p_tv, mask=m_tv, other=0)
         b_G = tl.load(G + p_tv, mask=m_tv, other=0)
         b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
         b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
@@ -1117,6 +1116,70 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
             b_a = b_eta * b_dval
             b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
             b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h.to(dt)))   # the X S0 path
+        # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
+        b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
+        if DELTA:
+            b_dGx = -b_a * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
+        else:
+            b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
+        b_dG += b_dGx
+        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
+        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
+        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
+        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
+        b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
+        b_dlp += tl.sum(b_dalpha * b_eta, 1)
+        b_dbeta = b_deta * b_rden[:, None]
+        b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
+        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dqa + p_tk, b_dq * scale, mask=m_tk)
+    tl.store(dxa + p_tk, b_dxs + (2 * b_dden)[:, None] * b_xl.to(tl.float32), mask=m_tk)
+    b_dlp += b_dden
+    if HAS_LAM:
+        if LAM_COUPLED:
+            b_dlp = b_dlp * b_E
+        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
+
+
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.jit
+def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm_buf,
+                dq, dk, dlast_k, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The per-column rules per chunk, second kernel: the intra-chunk products ds_ts = sum_v do_t u_s
+    exp(G_t - G_s) (falcon2: and the Gram path dM[t, j] = -sum_v a_t u_j exp(Gx_t - G_j)), then
+    dq = dqa + ds x and dx = ds^T q + dxa (+ (dM + dM^T) x), written as dk (shifted back by one row)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    dt = b_xl.dtype
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dmd = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_u = tl.load(eta + p_tv, mask=m_tv, other=0) * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+        if DELTA:
+            b_a = tl.load(eta + p_tv, mask=m_tv, other=0) * tl.load(dval + p_tv, mask=m_tv, other=0)
+            b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
         # ds_ts = sum_v do_t u_s exp(G_t - G_s) (and dM): sub-chunks below the diagonal by tensor cores
         for a in tl.static_range(1, BT // 16):
             # reference row clamped into the sequence, real rows only (see _fwd_o_col)
@@ -1145,25 +1208,10 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
                 m_sv2 = m_dd[:, None] & m_v[None, :]
                 b_sum2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
                 b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_sum2[:, None]
-        # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
-        b_dG = b_o * b_do - b_u * b_dval
-        if DELTA:
-            b_dGx = -b_a * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
-        else:
-            b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
-        b_dG += b_dGx
-        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
-        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
-        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
-        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
-        b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
-        b_dlp += tl.sum(b_dalpha * b_eta, 1)
-        b_dbeta = b_deta * b_rden[:, None]
-        b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
-        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
-        tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
     b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
-    b_dq = b_dq * scale + tl.dot(b_ds.to(dt), b_xl)
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    b_dq = tl.load(dqa + p_tk, mask=m_tk, other=0) + tl.dot(b_ds.to(dt), b_xl)
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     # ds^T (and dM^T) through scratch buffers (a transposed dot result fed into tl.dot miscompiles on Hopper)
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
     p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
@@ -1172,27 +1220,13 @@ def _bwd_col(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval,
         b_dm = -tl.where(o_s[:, None] > o_s[None, :], b_dm + b_dmd, 0.)
         tl.store(dm_buf + p_A, b_dm, mask=m_t[:, None])
     tl.debug_barrier()
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
-    b_dx = tl.dot(b_dst.to(dt), b_q) + b_dxs
+    b_dx = tl.dot(b_dst.to(dt), b_q) + tl.load(dxa + p_tk, mask=m_tk, other=0)
     if DELTA:
         b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
         b_dx += tl.dot((b_dm + b_dmt).to(dt), b_xl)   # the Gram path: d(x_t.x_j) into both keys
-    b_dlp += b_dden
-    b_dx += (2 * b_dden)[:, None] * b_x
-    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    if HAS_LAM:
-        if LAM_COUPLED:
-            b_dlp = b_dlp * b_E
-        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
-    r = o_t - SHIFT
-    tl.store(dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
-             mask=m_tk & (r >= 0)[:, None])
-    if SHIFT:
-        if USE_INITIAL_STATE:
-            b_first = tl.sum(tl.where((o_t == 0)[:, None] & valid[:, None], b_dx, 0.), 0)
-            if i_t == 0:
-                tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1547,9 +1581,13 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if per_col:
         o32 = A
         ds_buf = torch.empty(B, T, HV, BT, **f32)
-        _bwd_col[(NT, B * HV)](
-            q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, ds_buf, None, dq, dk, dv, dlast_k,
-            dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=False, **gates, **common)
+        dqa, dxa = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
+        _bwd_col_gates[(NT, B * HV)](
+            q, k, v, v, beta, lam, last_k, count, G, h, dh, o32, do, du, dqa, dxa, dv, dbeta, dlam, scale, eps,
+            eps_gamma, cu_seqlens, ci, co, T, DELTA=False, **gates, **common_h)
+        _bwd_col_ds[(NT, B * HV)](
+            q, k, v, last_k, count, G, eta, do, du, dqa, dxa, ds_buf, None, dq, dk, dlast_k, scale, cu_seqlens, ci,
+            co, T, DELTA=False, **common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     dx = torch.empty(B, T, HV, K, **f32) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None
