@@ -249,6 +249,13 @@ def test_falcon3a_windows(window, T, chunk_size, device):
     check(run_both('falcon3a', *inputs, torch.float32, chunk_size=chunk_size, window=window), torch.float32)
 
 
+def test_falcon3a_wide_values(device):
+    # V >= 128 with 2-byte inputs: the output kernel's 128-wide value blocks (V = 200: a full block and a
+    # masked one)
+    inputs = make_inputs('falcon3a', 1, 40, 1, 1, 16, 200, 'on', True, device, window=4)
+    check(run_both('falcon3a', *inputs, torch.bfloat16, chunk_size=16, window=4), torch.bfloat16)
+
+
 @pytest.mark.parametrize('shift, window', [(True, 4), (False, 8)])
 def test_falcon3a_varlen(shift, window, device):
     # short sequences (1 token, empty) next to ones spanning chunks; full, fresh and partial tails

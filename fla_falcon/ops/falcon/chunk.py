@@ -1515,9 +1515,13 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
             q, k, v, last_k, count, G, eta, h, o, scale, cu_seqlens, ci, co, T, **common)
         return o, ht, (G, eta, o, None, None, h)
     o = torch.empty_like(v)
-    _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
+    # falcon3a builds its window weights M (W exps of a [BT, BT] tile) once per value block: one block of
+    # 128 columns for V >= 128 with 2-byte inputs halves that (no register spills at W <= 4, K = 128;
+    # fp32 inputs spill there: aot_check)
+    BVo = 128 if win and V >= 128 and q.element_size() <= 2 else BV
+    _fwd_o[(triton.cdiv(V, BVo), NT, B * HV)](
         q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale, cu_seqlens, ci, co, T,
-        DELTA=delta, WIN=win, **common)
+        DELTA=delta, WIN=win, **dict(common, BV=BVo))
     return o, ht, (G, eta, A, W, vn, h)
 
 
