@@ -227,13 +227,25 @@ def _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV: tl.c
 
 
 @triton.jit
+def _store_rows(p, b, mask, o_s, BT: tl.constexpr, N_SHARED: tl.constexpr):
+    """Stores a [BT, n] tile; with N_SHARED > 0 its last N_SHARED rows are atomic adds (fp32, zeroed
+    buffer): another program adds into them too (falcon3a: a chunk's last W - 1 pairs)."""
+    if N_SHARED > 0:
+        tl.store(p, b, mask=mask & (o_s < BT - N_SHARED)[:, None])
+        tl.atomic_add(p, b, mask=mask & (o_s >= BT - N_SHARED)[:, None])
+    else:
+        tl.store(p, b.to(p.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr,
-              BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key)."""
+              BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, N_SHARED: tl.constexpr):
+    """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key);
+    the chunk's last N_SHARED rows by atomic adds (see _store_rows)."""
     o_k = tl.arange(0, BK)
     r = o_t - SHIFT
-    tl.store(dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx.to(dk.dtype.element_ty),
-             mask=(m_t & (r >= 0))[:, None] & (o_k < K)[None, :])
+    _store_rows(dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :], b_dx,
+                (m_t & (r >= 0))[:, None] & (o_k < K)[None, :], tl.arange(0, b_dx.shape[0]), b_dx.shape[0], N_SHARED)
     if SHIFT:
         if USE_INITIAL_STATE:
             b_first = tl.sum(b_dx * ((o_t == 0).to(tl.float32) * valid.to(tl.float32))[:, None], 0)
@@ -248,7 +260,7 @@ def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k
     """Adds the energy path (dE = dden, E = ||x||^2) to dx, writes dk, dbeta and dlam."""
     _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
     _store_dk(b_dx + (2 * b_dden)[:, None] * b_x, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK,
-              SHIFT, USE_INITIAL_STATE)
+              SHIFT, USE_INITIAL_STATE, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1176,9 +1188,10 @@ def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_u = tl.load(eta + p_tv, mask=m_tv, other=0) * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+        b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
         if DELTA:
-            b_a = tl.load(eta + p_tv, mask=m_tv, other=0) * tl.load(dval + p_tv, mask=m_tv, other=0)
+            b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
             b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
         # ds_ts = sum_v do_t u_s exp(G_t - G_s) (and dM): sub-chunks below the diagonal by tensor cores
         for a in tl.static_range(1, BT // 16):
@@ -1226,7 +1239,7 @@ def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm
     if DELTA:
         b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
         b_dx += tl.dot((b_dm + b_dmt).to(dt), b_xl)   # the Gram path: d(x_t.x_j) into both keys
-    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1400,11 +1413,8 @@ def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp,
         b_dxS += tl.dot(b_v, tl.trans(b_dh))
         b_dxSp += tl.dot(b_vp, tl.trans(b_dh))
         b_dv = tl.dot(b_AMt, b_do) + b_mC[:, None] * tl.dot(b_xl, b_dh)
-        if WIN == 1:
-            tl.store(dv + p_tv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        _store_rows(dv + p_tv, b_dv, m_tv, o_s, BT, WIN - 1)
         if WIN > 1:
-            tl.store(dv + p_tv, b_dv, mask=m_tv & (o_s < BT - (WIN - 1))[:, None])
-            tl.atomic_add(dv + p_tv, b_dv, mask=m_tv & (o_s >= BT - (WIN - 1))[:, None])
             b_dvp = tl.dot(b_AMpt, b_do) + b_mpC[:, None] * tl.dot(b_xpl, b_dh)
             m_pv = (o_v < V)[None, :]
             tl.atomic_add(dv + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dvp,
@@ -1421,19 +1431,7 @@ def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp,
     for d in tl.static_range(WIN):
         b_ws += tl.load(wE + (bos + o_t + d) * HV + i_hv, mask=(o_s + d < BT) & (o_t + d < T), other=0)
     b_dx += b_ws[:, None] * b_xl.to(tl.float32)
-    if WIN == 1:
-        _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE)
-    else:
-        r = o_t - SHIFT
-        m_r = (m_t & (r >= 0))[:, None] & (o_k < K)[None, :]
-        p_r = dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :]
-        tl.store(p_r, b_dx, mask=m_r & (o_s < BT - (WIN - 1))[:, None])
-        tl.atomic_add(p_r, b_dx, mask=m_r & (o_s >= BT - (WIN - 1))[:, None])
-        if SHIFT:
-            if USE_INITIAL_STATE:
-                b_first = tl.sum(b_dx * ((o_t == 0).to(tl.float32) * valid.to(tl.float32))[:, None], 0)
-                if i_t == 0:
-                    tl.store(dlast_k + (i_n * HV + i_hv) * K + o_k, b_first, mask=o_k < K)
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE, WIN - 1)
     if WIN > 1:
         b_PMpt = tl.load(pmp + ((bos + o_t) * HV + i_hv)[None, :] * 16 + o_j[:, None], mask=m_t[None, :], other=0)
         b_dxp = tl.dot(b_PMpt.to(dt), b_q) + b_mpC[:, None] * b_dxSp
