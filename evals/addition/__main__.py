@@ -140,11 +140,14 @@ def run_parallel(specs, run_dir: Path, jobs: int, progress: bool) -> list[dict]:
     import torch
     from tqdm.auto import tqdm
     ngpu = torch.cuda.device_count() if any(str(s['device']).startswith('cuda') for s in specs) else 0
-    # slowest first (measured on CPU: Mamba-2's torch SSD path ~3x a Falcon run, the Transformer ~1/3):
-    # shortens the tail where one slot idles
-    # on GPUs GatedDeltaNet takes fla's token-by-token PyTorch recurrence (see models.py)
+    # seed by seed, and within a seed slowest first (measured on CPU: Mamba-2's torch SSD path ~3x a Falcon
+    # run, the Transformer ~1/3; on GPUs GatedDeltaNet takes a PyTorch chunked form, see models.py). Seed-major:
+    # the first wave compiles each model's kernels once and later seeds find them in Triton's cache (autotune
+    # results too, with TRITON_CACHE_AUTOTUNING=1), and a run cut short still leaves whole seeds of every model
     cost = {'mamba2': 3.0, 'gdn': 3.0, 'falcon3': 1.3, 'falcon3a': 1.3, 'transformer': 0.4}
-    pending = sorted(specs, key=lambda sp: -cost.get(sp['model'].replace('-noshift', ''), 1.0))
+    seeds = list(dict.fromkeys(sp['seed'] for sp in specs))
+    pending = sorted(specs, key=lambda sp: (seeds.index(sp['seed']),
+                                            -cost.get(sp['model'].replace('-noshift', ''), 1.0)))
     active, results = {}, []
     free_slots = list(range(jobs))
     bar = tqdm(total=len(specs), desc='runs', position=0, disable=not progress, dynamic_ncols=True)
@@ -155,6 +158,7 @@ def run_parallel(specs, run_dir: Path, jobs: int, progress: bool) -> list[dict]:
             spec_path.write_text(json.dumps(spec))
             res_path.unlink(missing_ok=True)   # a stale result must not stand in for a crashed worker
             env = dict(os.environ)
+            env.setdefault('TRITON_CACHE_AUTOTUNING', '1')   # later runs reuse the first run's autotune timings
             if ngpu and str(spec['device']).startswith('cuda'):
                 # the worker sees one GPU (as cuda:0): the (slot mod #GPUs)-th of those visible here
                 visible = os.environ.get('CUDA_VISIBLE_DEVICES')
