@@ -1358,7 +1358,8 @@ def _bwd_win_dqv(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, d
     tl.store(wE + (bos + o_t) * HV + i_hv, 2 * b_dden * b_rB, mask=m_t)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+# dk and dv take atomic adds: zeroed before every timed config (else the autotuner's runs pile up in them)
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'], reset_to_zero=['dk', 'dv'])
 @triton.jit
 def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE,
                 dk, dv, dlast_k, dtail_x, dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
