@@ -13,9 +13,11 @@ Target (issue 3): falcon/fla <= 1.0 for falcon1/1a/2/2a at B = 64 and <= 1.5 for
     python benchmarks/benchmark_decode.py                       # B in {1, 64}, H=16, K=V=128, bf16
     python benchmarks/benchmark_decode.py --batch 1 8 64 --window 4 --rules falcon1 falcon3
     python benchmarks/benchmark_decode.py --sweep 8,1 16,2 32,4 --rules falcon3 falcon3a   # tune (BV, warps)
+    python benchmarks/benchmark_decode.py --sweep 8,1,0 8,1,128 8,1,112 --rules falcon3 falcon3a   # + maxnreg
 
-``--sweep`` times the forward kernel under each (BV, num_warps) given (the values that
-``FLA_FALCON_FWD_CONFIG`` sets) and writes ``decode_sweep.json`` / ``decode_sweep.md`` instead.
+``--sweep`` times the forward kernel under each (BV, num_warps[, maxnreg]) given (the values that
+``FLA_FALCON_FWD_CONFIG`` sets; maxnreg 0 = no register cap) and writes ``decode_sweep.json`` /
+``decode_sweep.md`` instead.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def parse_args(argv=None):
     p.add_argument('--dtype', default='bf16', choices=sorted(DTYPES))
     p.add_argument('--warmup', type=int, default=100, help='do_bench warmup (ms)')
     p.add_argument('--rep', type=int, default=500, help='do_bench repetitions (ms)')
-    p.add_argument('--sweep', nargs='+', default=None, metavar='BV,WARPS',
-                   help='time each forward (BV, num_warps) config instead of the default one')
+    p.add_argument('--sweep', nargs='+', default=None, metavar='BV,WARPS[,MAXNREG]',
+                   help='time each forward (BV, num_warps, maxnreg) config instead of the default one')
     p.add_argument('--no-cudagraph', action='store_true', help='skip the CUDA-graph (device-only) timing')
     p.add_argument('--out', default=str(Path(__file__).resolve().parent / 'results'),
                    help='folder for decode.json and decode.md')
@@ -113,10 +115,10 @@ def main(argv=None):
                 fr.FWD_CONFIG = cfg   # None: the kernel's default choice
                 t = bench(falcon_step)
                 ratio = {f"ratio_{k_.replace('_us', '')}": t[k_] / t_fla[k_] for k_ in t}
-                used = cfg or fr._fwd_config(D, D, W)
+                used = fr._fwd_config(D, D, W, True)
                 rows.append(dict(op='fused_recurrent_falcon', rule=rule, window=W, B=B, BV=used[0],
-                                 num_warps=used[1], **t, **ratio))
-                print(f"B={B:3d} {rule:9s} W={W} BV={used[0]} warps={used[1]}: "
+                                 num_warps=used[1], maxnreg=used[2], **t, **ratio))
+                print(f"B={B:3d} {rule:9s} W={W} BV={used[0]} warps={used[1]} maxnreg={used[2]}: "
                       + ', '.join(f"{k_}={v_:.3f}" for k_, v_ in {**t, **ratio}.items()), flush=True)
             fr.FWD_CONFIG = None
 
@@ -134,14 +136,14 @@ def main(argv=None):
              f"{args.window})", '',
              'Time per call in microseconds; ratio = falcon / fla `fused_recurrent_gated_delta_rule` at the same B. '
              'Target: <= 1.0 for falcon1/1a/2/2a at B=64, <= 1.5 for falcon3/3a.', '',
-             '| B | op | BV, warps | ' + ' | '.join(f'{c} (us) | ratio {c}' for c in cols) + ' |',
+             '| B | op | BV, warps[, maxnreg] | ' + ' | '.join(f'{c} (us) | ratio {c}' for c in cols) + ' |',
              '|---|---|---|' + '---|---|' * len(cols)]
     for r in rows:
         cells = []
         for c in cols:
             cells += [f"{r[c + '_us']:.2f}", f"{r['ratio_' + c]:.3f}" if 'ratio_' + c in r else '1']
         name = r['rule'] if r['op'] == 'fused_recurrent_falcon' else 'fla gated delta rule'
-        cfg = f"{r['BV']}, {r['num_warps']}" if 'BV' in r else ''
+        cfg = f"{r['BV']}, {r['num_warps']}" + (f", {r['maxnreg']}" if r.get('maxnreg') else '') if 'BV' in r else ''
         lines.append(f"| {r['B']} | {name} | {cfg} | " + ' | '.join(cells) + ' |')
     (out / f'{stem}.md').write_text('\n'.join(lines) + '\n')
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")

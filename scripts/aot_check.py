@@ -85,7 +85,7 @@ def install(arch: int) -> None:
 
     def run(self, *args, grid, warmup, **kwargs):
         name = self.fn.__name__
-        cfg = {k: v for k, v in kwargs.items() if k in ('num_warps', 'num_stages')}
+        cfg = {k: v for k, v in kwargs.items() if k in ('num_warps', 'num_stages', 'maxnreg') and v is not None}
         cfg.update({k: v for k, v in kwargs.items() if k.isupper() and k.startswith('B') and isinstance(v, int)})
         rec = dict(kernel=name, config=cfg)
         # constexpr flags and scalar arguments tell specializations apart (shown only via the key)
@@ -136,16 +136,18 @@ def main(argv=None) -> int:
     p.add_argument('--seqlen', type=int, default=130, help='T (multiples of 16 specialize differently)')
     p.add_argument('--heads', type=int, default=2)
     p.add_argument('--chunk-size', type=int, default=64, help='chunk_falcon chunk size')
+    p.add_argument('--decode', action='store_true',
+                   help='only the decode step: T = 1 with a full-window initial state and the final state, no grad')
     args = p.parse_args(argv)
     import fla_falcon  # noqa: F401  (fla sees no GPU: its CPU code paths; the kernels compile for the target)
     from fla_falcon.ops.falcon import RULES, chunk_falcon, fused_recurrent_falcon
-    from fla_falcon.ops.falcon.utils import rule_info
+    from fla_falcon.ops.falcon.utils import FalconState, rule_info
     install(args.arch)
 
     print(f"Triton {triton.__version__}, target sm_{args.arch}")
     K, V = (int(x) for x in args.dims.split(','))
     dt = torch.bfloat16 if args.dtype == 'bf16' else torch.float32
-    B, T, H = 1, args.seqlen, args.heads
+    B, T, H = 1, (1 if args.decode else args.seqlen), args.heads
     for rule in args.rules or RULES:
         _, per_column, windowed = rule_info(rule)
         W = args.window if windowed else 1
@@ -162,6 +164,13 @@ def main(argv=None) -> int:
             beta.requires_grad_()
             lam.requires_grad_()
             try:
+                if args.decode:
+                    state = FalconState(torch.randn(B, H, K, V), torch.randn(B, H, K),
+                                        torch.randn(B, H, W - 1, K), torch.randn(B, H, W - 1, V),
+                                        torch.full((B,), W, dtype=torch.int32))
+                    with torch.no_grad():
+                        op(q, k, v, beta, lam, rule=rule, window=W, initial_state=state, output_final_state=True)
+                    continue
                 with torch.no_grad():   # inference: no final state, no saved tensors
                     op(q, k, v, beta, lam, rule=rule, window=W)
                 o, _ = op(q, k, v, beta, lam, rule=rule, window=W, output_final_state=True)

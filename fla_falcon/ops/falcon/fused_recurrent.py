@@ -11,9 +11,11 @@ Window. The pairs of step t (local index, 0-based) sit at positions ``p = t-W+1 
 ``(k_{p-1}, v_p)`` with the shift (``(k_p, v_p)`` without), the previous segment's ``last_k`` for
 ``p = 0``, and row ``W-1+p`` of the initial state's ``tail_x/tail_v`` for ``p < 0``. Pair p is real
 iff ``p >= p_min``, where ``p_min`` follows from the initial ``count`` (see ``_p_min``). The kernel
-re-reads the (at most W) pairs of each step from global memory: they are L1/L2 hits and it keeps
-a single code path for every rule. A step without a pair (the first step of a fresh sequence with
-the shift) gets ``eta = 0``, hence ``gamma = 1`` and no write: the state passes through exactly.
+re-reads the (at most W) pairs of each step from global memory (L1/L2 hits): the forward row by row
+(``_load_row``, straight into the layouts of the state's rows and columns, each pair once per step),
+the backward as ``[BW, K]`` / ``[BW, BV]`` tiles (``_load_pairs``). A step without a pair (the first
+step of a fresh sequence with the shift) gets ``eta = 0``, hence ``gamma = 1`` and no write: the state
+passes through exactly.
 
 falcon3's energy is ``lambda_max(X X^T) / B_t`` from the ``B_t x B_t`` Gram of the window (the
 missing pairs of a short window are zero rows, which leave lambda_max unchanged):
@@ -134,6 +136,47 @@ def _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_
             X += tl.load(px_t, mask=m_xt, other=0).to(tl.float32)
             Y += tl.load(py_t, mask=m_yt, other=0).to(tl.float32)
     return X, Y, m
+
+
+@triton.jit
+def _load_row(k, v, lk0, tx0, tv0, bos, p, p_min, i_n, i_h, i_hv, o_k, o_v, mk,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+              SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """x ``[BK]`` and y ``[BV]`` of the window pair at position p (a scalar; fp32, zeros for a missing
+    pair; x only where ``mk``) and whether the pair is real. The sources of ``_pair_ptrs`` for one
+    row, loaded straight into the layouts of the state's rows and columns (no tile to extract from).
+    Scalar conditions enter the masks through ``tl.where`` (the interpreter turns ``vector & scalar``
+    into int32)."""
+    real = p >= p_min
+    mv = o_v < V
+    if SHIFT:
+        src = p - 1
+        in_k = real & (p >= 1)
+    else:
+        src = p
+        in_k = real & (p >= 0)
+    x = tl.load(k + ((bos + src) * H + i_h) * K + o_k, mask=tl.where(in_k, mk, False), other=0).to(tl.float32)
+    m_y = tl.where(real & (p >= 0), mv, False)
+    y = tl.load(v + ((bos + p) * HV + i_hv) * V + o_v, mask=m_y, other=0).to(tl.float32)
+    if USE_INITIAL_STATE:
+        # an x of the initial state (last_k for p = 0 with the shift, a tail row for p < 0): both fp32,
+        # so one load from a pointer picked per row rather than one masked load per source
+        p_l = lk0 + (i_n * H + i_h) * K
+        if W > 1:
+            in_t = real & (p < 0)
+            p_t = tx0 + ((i_n * H + i_h) * (W - 1) + W - 1 + p) * K
+            if SHIFT:
+                p_s = tl.where(p == 0, p_l, p_t)
+                m_s = tl.where(real & (p <= 0), mk, False)
+            else:
+                p_s = p_t
+                m_s = tl.where(in_t, mk, False)
+            x += tl.load(p_s + o_k, mask=m_s, other=0).to(tl.float32)
+            m_t = tl.where(in_t, mv, False)
+            y += tl.load(tv0 + ((i_n * HV + i_hv) * (W - 1) + W - 1 + p) * V + o_v, mask=m_t, other=0).to(tl.float32)
+        elif SHIFT:
+            x += tl.load(p_l + o_k, mask=tl.where(real & (p == 0), mk, False), other=0).to(tl.float32)
+    return x, y, real
 
 
 @triton.jit
@@ -279,25 +322,10 @@ def _top_eig(X, o_w, W: tl.constexpr, NSQ: tl.constexpr):
 
 
 @triton.jit
-def _coeffs(X, m, b_beta, b_lam, eps, eps_gamma, o_w, W: tl.constexpr, REGRESSION: tl.constexpr,
-            USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, NSQ: tl.constexpr, E_pre=None,
-            HAS_E: tl.constexpr = False):
-    """The step's statistics and gates. ``b_beta`` is a scalar or ``[BV]`` (per-column rules). With
-    ``HAS_E``, falcon3's window energy comes from ``falcon_window_energy_kernel`` (``E_pre``; ``u``, which
-    only the backward needs, stays 0)."""
-    nb = tl.sum(m.to(tl.float32), 0)
+def _gates(nb, E, b_beta, b_lam, eps, eps_gamma, USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr):
+    """The step's gates from its number of real pairs ``nb`` and energy ``E``. ``b_beta`` is a scalar
+    or ``[BV]`` (per-column rules)."""
     nb_s = tl.maximum(nb, 1.0)
-    u = tl.zeros_like(o_w).to(tl.float32)
-    if W == 1:
-        E = tl.sum(tl.sum(X * X, 1), 0)
-    elif REGRESSION:
-        if HAS_E:
-            E = E_pre
-        else:
-            lmax, u = _top_eig(X, o_w, W, NSQ)
-            E = lmax / nb_s
-    else:
-        E = tl.sum(tl.sum(X * X, 1), 0) / nb_s
     if USE_LAM:
         if LAM_COUPLED:
             lam_eff = b_lam * E
@@ -313,6 +341,26 @@ def _coeffs(X, m, b_beta, b_lam, eps, eps_gamma, o_w, W: tl.constexpr, REGRESSIO
     free = alpha <= 1 - eps_gamma          # the clamp is inactive: gradient flows through alpha
     gamma = 1 - tl.where(free, alpha, 1 - eps_gamma)
     c = eta / nb_s
+    return nb_s, lam_eff, den_s, ok, eta, free, gamma, c
+
+
+@triton.jit
+def _coeffs(X, m, b_beta, b_lam, eps, eps_gamma, o_w, W: tl.constexpr, REGRESSION: tl.constexpr,
+            USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, NSQ: tl.constexpr):
+    """The step's statistics and gates from its window tile X (rows m real); ``u`` is falcon3's top
+    eigenvector (0 otherwise)."""
+    nb = tl.sum(m.to(tl.float32), 0)
+    nb_s = tl.maximum(nb, 1.0)
+    u = tl.zeros_like(o_w).to(tl.float32)
+    if W == 1:
+        E = tl.sum(tl.sum(X * X, 1), 0)
+    elif REGRESSION:
+        lmax, u = _top_eig(X, o_w, W, NSQ)
+        E = lmax / nb_s
+    else:
+        E = tl.sum(tl.sum(X * X, 1), 0) / nb_s
+    nb_s, lam_eff, den_s, ok, eta, free, gamma, c = _gates(nb, E, b_beta, b_lam, eps, eps_gamma, USE_LAM,
+                                                           LAM_COUPLED)
     return nb_s, E, u, lam_eff, den_s, ok, eta, free, gamma, c
 
 
@@ -394,10 +442,10 @@ def falcon_fused_recurrent_fwd_kernel(
     St, lkt, txt, tvt, ct, E,
     cu_seqlens, scale, eps, eps_gamma, T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, SHIFT: tl.constexpr,
     USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, NSQ: tl.constexpr, HAS_E: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -409,11 +457,9 @@ def falcon_fused_recurrent_fwd_kernel(
         bos = i_n * T
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_w = tl.arange(0, BW)
     mask_k = o_k < K
     mask_v = o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    all_rows = o_w >= 0
 
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     c_init = 0
@@ -422,31 +468,60 @@ def falcon_fused_recurrent_fwd_kernel(
         c_init = tl.minimum(tl.maximum(tl.load(c0 + i_n).to(tl.int32), 0), W)  # read clamped into [0, W]
     p_min = _p_min(c_init, W, SHIFT)
 
+    key_owner = (i_v == 0) & (i_hv % (HV // H) == 0)   # the program that writes per-key-head outputs
     for t in range(0, T):
-        X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, all_rows,
-                              H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
         b_beta, b_lam = _load_gates(beta, lam, bos, t, i_hv, o_v, HV, V, PER_COLUMN, USE_LAM)
-        b_E = tl.load(E + (bos + t) * H + i_h) if HAS_E else None
-        nb_s, b_En, u, lam_eff, den_s, ok, eta, free, gamma, c = _coeffs(
-            X, m, b_beta, b_lam, eps, eps_gamma, o_w, W, REGRESSION, USE_LAM, LAM_COUPLED, NSQ, b_E, HAS_E)
-        b_S, Wc, R = _step(b_S, X, Y, gamma, c, o_w, W, REGRESSION, PER_COLUMN)
+        # the window row by row, each pair loaded once and kept in registers (x_b, and r_b = y_b - S^T x_b
+        # for the regression rules: every residual at the pre-update state); no [W, K] tile whose rows
+        # would have to be extracted and moved into the state's layout
+        xs = ()
+        rs = ()
+        nb = 0.0
+        b_e = 0.0
+        for b in tl.static_range(W):
+            b_x, b_y, real = _load_row(k, v, lk0, tx0, tv0, bos, t - (W - 1) + b, p_min, i_n, i_h, i_hv, o_k, o_v,
+                                       mask_k, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+            nb += real.to(tl.float32)
+            if REGRESSION:
+                b_y -= tl.sum(b_S * b_x[:, None], 0)
+            if (W == 1) | (not REGRESSION):
+                b_e += tl.sum(b_x * b_x, 0)
+            xs = xs + (b_x,)
+            rs = rs + (b_y,)
+        if W == 1:
+            b_E = b_e
+        elif REGRESSION:
+            # falcon3's lambda_max / B_t, once per (token, key head) by falcon_window_energy_kernel
+            b_E = tl.load(E + (bos + t) * H + i_h)
+        else:
+            b_E = b_e / tl.maximum(nb, 1.0)
+        nb_s, lam_eff, den_s, ok, eta, free, gamma, c = _gates(nb, b_E, b_beta, b_lam, eps, eps_gamma, USE_LAM,
+                                                               LAM_COUPLED)
+        # S_t = gamma S_{t-1} + sum_b x_b (c r_b)^T
+        if PER_COLUMN:
+            b_S = b_S * gamma[None, :]
+        else:
+            b_S = b_S * gamma
+        for b in tl.static_range(W):
+            b_S += xs[b][:, None] * (rs[b] * c)[None, :]
         b_q = tl.load(q + ((bos + t) * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
         b_o = tl.sum(b_S * b_q[:, None], 0) * scale
         tl.store(o + ((bos + t) * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
 
     if STORE_FINAL_STATE:
         tl.store(St + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_S.to(St.dtype.element_ty), mask=mask_h)
-        # the tail = the pairs of a virtual step T without its newest row (row W-1)
         if W > 1:
-            X, Y, m = _load_pairs(k, v, lk0, tx0, tv0, bos, T, p_min, i_n, i_h, i_hv, o_w, o_k, o_v,
-                                  o_w < W - 1, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
-            m_r = o_w < W - 1
-            tl.store(tvt + ((i_n * HV + i_hv) * (W - 1) + o_w)[:, None] * V + o_v[None, :],
-                     Y.to(tvt.dtype.element_ty), mask=m_r[:, None] & mask_v[None, :])
-            if (i_v == 0) & (i_hv % (HV // H) == 0):
-                tl.store(txt + ((i_n * H + i_h) * (W - 1) + o_w)[:, None] * K + o_k[None, :],
-                         X.to(txt.dtype.element_ty), mask=m_r[:, None] & mask_k[None, :])
-        if (i_v == 0) & (i_hv % (HV // H) == 0):
+            # the tail = the pairs of a virtual step T but its newest, reloaded once the state is stored (its
+            # registers are free then; for T > 0 the rows are cache hits of the last step). x only in the
+            # program that stores it
+            m_xo = tl.where(key_owner, mask_k, False)
+            for b in tl.static_range(W - 1):
+                b_x, b_y, real = _load_row(k, v, lk0, tx0, tv0, bos, T - (W - 1) + b, p_min, i_n, i_h, i_hv,
+                                           o_k, o_v, m_xo, H, HV, K, V, W, SHIFT, USE_INITIAL_STATE)
+                tl.store(tvt + ((i_n * HV + i_hv) * (W - 1) + b) * V + o_v, b_y.to(tvt.dtype.element_ty),
+                         mask=mask_v)
+                tl.store(txt + ((i_n * H + i_h) * (W - 1) + b) * K + o_k, b_x.to(txt.dtype.element_ty), mask=m_xo)
+        if key_owner:
             # last key seen (the shift's next x), the initial one for an empty segment
             b_lk = tl.zeros([BK], dtype=tl.float32)
             T_k = tl.zeros_like(o_k) + T    # T as a tensor (a plain int under the interpreter)
@@ -638,21 +713,35 @@ def _parse_config(name: str):
     return tuple(int(x) for x in val.split(',')) if val else None
 
 
-# (BV, num_warps) overrides for tuning on a GPU: env FLA_FALCON_FWD_CONFIG / FLA_FALCON_BWD_CONFIG="16,2"
+# (BV, num_warps) overrides for tuning on a GPU: env FLA_FALCON_FWD_CONFIG / FLA_FALCON_BWD_CONFIG="16,2"; the
+# forward takes a third value, the register cap (maxnreg; 0: none), e.g. "8,1,128"
 FWD_CONFIG = _parse_config('FLA_FALCON_FWD_CONFIG')
 BWD_CONFIG = _parse_config('FLA_FALCON_BWD_CONFIG')
+FWD_MAXNREG = 128   # the windowed rules' register cap in a decode step (see _fwd_config)
 
 
-def _fwd_config(K: int, V: int, W: int) -> tuple[int, int]:
-    """(BV, num_warps) of the forward. Small V blocks as in fla (N*HV*V/8 programs keep a decode step
-    memory-bound); one warp while the window's [W, K, BV] temporaries fit its registers."""
+def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True) -> tuple[int, int, int | None]:
+    """(BV, num_warps, maxnreg) of the forward. Small V blocks as in fla (N*HV*V/8 programs keep a decode
+    step memory-bound); one warp while the state slice and the window's rows fit its registers.
+
+    A decode step is bound by the state loads in flight, i.e. by the warps resident per SM, which the
+    registers limit (1-warp programs, 64K registers per SM). Left alone, ptxas issues the window's loads
+    early and takes ~150 registers for falcon3 (12 warps per SM; falcon1: 80, 25 warps); capped at 128 it
+    schedules them later without spilling (scripts/aot_check.py, sm_90, K = V = 128, W = 2..4, bf16 and
+    fp32, with an initial state: the decode specialization). Only there: under a cap ptxas can also take
+    more registers than it needs (window 1: 95 instead of 80; K = 64: 122 instead of 96), and without an
+    initial state (prefill) falcon3 spills under it."""
     if FWD_CONFIG is not None:
-        return FWD_CONFIG
+        cfg = tuple(FWD_CONFIG) + (0,) * (3 - len(FWD_CONFIG))
+        return cfg[0], cfg[1], (cfg[2] or None)
     if _interpret():
-        return triton.next_power_of_2(V), 1      # fewer programs: the interpreter runs them one by one
+        return triton.next_power_of_2(V), 1, None      # fewer programs: the interpreter runs them one by one
     BV = min(8, triton.next_power_of_2(V))
-    work = triton.next_power_of_2(K) * BV * triton.next_power_of_2(W)
-    return BV, (1 if work <= 4096 else 2 if work <= 8192 else 4)
+    BK = triton.next_power_of_2(K)
+    work = BK * BV * triton.next_power_of_2(W)
+    num_warps = 1 if work <= 4096 else 2 if work <= 8192 else 4
+    cap = FWD_MAXNREG if W > 1 and use_initial_state and num_warps == 1 and BK * BV == 1024 else None
+    return BV, num_warps, cap
 
 
 def _bwd_config(K: int, V: int, W: int) -> tuple[int, int]:
@@ -673,7 +762,7 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = window
     BK, BW = triton.next_power_of_2(K), triton.next_power_of_2(W)
-    BV, num_warps = _fwd_config(K, V, W)
+    BV, num_warps, maxnreg = _fwd_config(K, V, W, S0 is not None)
     o = torch.empty_like(v)
     if output_final_state:
         St = q.new_empty(N, HV, K, V, dtype=torch.float32)
@@ -684,9 +773,10 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     else:
         St = lkt = txt = tvt = ct = None
     E = None
-    if regression and W > 1 and B * T > 0:
+    if regression and W > 1:
         # falcon3: the window's lambda_max once per (token, key head), not once per value block
-        E = q.new_empty(B * T, H, dtype=torch.float32)
+        E = q.new_empty(max(B * T, 1), H, dtype=torch.float32)
+    if E is not None and B * T > 0:
         seq_idx = None
         if cu_seqlens is not None:
             # each token's sequence without a host sync (fla's prepare_sequence_ids reads the lengths on the
@@ -700,11 +790,11 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     falcon_fused_recurrent_fwd_kernel[grid](
         q, k, v, beta, lam, o, S0, lk0, tx0, tv0, c0, St, lkt, txt, tvt, ct, E,
         cu_seqlens, scale, eps, eps_gamma, T,
-        H=H, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV, BW=BW,
+        H=H, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
         REGRESSION=regression, PER_COLUMN=per_column, SHIFT=shift,
         USE_LAM=lam is not None, LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=S0 is not None,
-        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ, HAS_E=E is not None,
-        num_warps=num_warps, num_stages=1,
+        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None,
+        num_warps=num_warps, num_stages=1, maxnreg=maxnreg,
     )
     return o, (St, lkt, txt, tvt, ct)
 
