@@ -82,6 +82,20 @@ def _p_min(c0, W: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _pair_src(p, real, SHIFT: tl.constexpr):
+    """Where pair p (scalar or vector; ``real``: the pair exists) comes from, the one rule for the tile
+    and the row loaders: x is row ``src`` of k where ``in_k`` (else last_k for p = 0 with the shift, a
+    tail row for p < 0), y is row p of v where ``in_v`` (else a tail row)."""
+    if SHIFT:
+        src = p - 1
+        in_k = real & (p >= 1)
+    else:
+        src = p
+        in_k = real & (p >= 0)
+    return src, in_k, real & (p >= 0)
+
+
+@triton.jit
 def _pair_ptrs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v, row_mask,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
@@ -94,16 +108,11 @@ def _pair_ptrs(k, v, lk0, tx0, tv0, bos, t, p_min, i_n, i_h, i_hv, o_w, o_k, o_v
     m = row_mask & (o_w < W) & (p >= p_min)
     mk = o_k < K
     mv = o_v < V
-    if SHIFT:
-        src = p - 1
-        m_k = m & (p >= 1)
-    else:
-        src = p
-        m_k = m & (p >= 0)
+    src, m_k, m_y = _pair_src(p, m, SHIFT)
     px_k = k + ((bos + src) * H + i_h)[:, None] * K + o_k[None, :]
     py_v = v + ((bos + p) * HV + i_hv)[:, None] * V + o_v[None, :]
     m_xk = m_k[:, None] & mk[None, :]
-    m_yv = (m & (p >= 0))[:, None] & mv[None, :]
+    m_yv = m_y[:, None] & mv[None, :]
     # last_k (pair 0 with the shift) and tail rows (p < 0) exist only with an initial state
     px_l, m_xl, px_t, m_xt, py_t, m_yt = px_k, m_xk & False, px_k, m_xk & False, py_v, m_yv & False
     if USE_INITIAL_STATE:
@@ -143,20 +152,15 @@ def _load_row(k, v, lk0, tx0, tv0, bos, p, p_min, i_n, i_h, i_hv, o_k, o_v, mk,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """x ``[BK]`` and y ``[BV]`` of the window pair at position p (a scalar; fp32, zeros for a missing
-    pair; x only where ``mk``) and whether the pair is real. The sources of ``_pair_ptrs`` for one
+    pair; x only where ``mk``) and whether the pair is real. The sources of ``_pair_src`` for one
     row, loaded straight into the layouts of the state's rows and columns (no tile to extract from).
     Scalar conditions enter the masks through ``tl.where`` (the interpreter turns ``vector & scalar``
     into int32)."""
     real = p >= p_min
     mv = o_v < V
-    if SHIFT:
-        src = p - 1
-        in_k = real & (p >= 1)
-    else:
-        src = p
-        in_k = real & (p >= 0)
+    src, in_k, in_v = _pair_src(p, real, SHIFT)
     x = tl.load(k + ((bos + src) * H + i_h) * K + o_k, mask=tl.where(in_k, mk, False), other=0).to(tl.float32)
-    m_y = tl.where(real & (p >= 0), mv, False)
+    m_y = tl.where(in_v, mv, False)
     y = tl.load(v + ((bos + p) * HV + i_hv) * V + o_v, mask=m_y, other=0).to(tl.float32)
     if USE_INITIAL_STATE:
         # an x of the initial state (last_k for p = 0 with the shift, a tail row for p < 0): both fp32,
