@@ -20,7 +20,7 @@ PRESETS = {
     # not state its schedule; 3000 steps x 128 examples is our guess (README: what a first attempt measured)
     'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
                   train_max=32, test_min=33, test_max=48, steps=3000, batch_size=128, lr=2e-3, warmup=200,
-                  weight_decay=0.1, eval_samples=1000, eval_batch_size=500, jobs_per_gpu=4, threads=2,
+                  weight_decay=0.1, eval_samples=1000, eval_batch_size=250, jobs_per_gpu=4, threads=2,
                   mamba_chunk=64, curriculum=0.5, cuda_graph=True),
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "padded to the longest training example; falls back to eager steps, with the reason in "
                         "the run's JSON, if capture fails) (preset: tiny off, paper on)")
     p.add_argument('--eval-samples', type=int, default=None, help="test examples per operand length")
+    p.add_argument('--eval-batch-size', type=int, default=None,
+                   help="test examples per forward pass (lower it when several runs share a GPU's memory)")
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1 ... (preset: tiny cpu, paper cuda)")
     p.add_argument('--kernels', choices=['auto', 'fla', 'torch'], default='auto',
                    help="auto: PyTorch reference path on CPU, Triton kernels on GPU (GatedDeltaNet via the torch "
@@ -82,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_specs(args) -> tuple[list[dict], dict]:
     from evals.addition.models import check_model_name
     cfg = dict(PRESETS[args.preset])
-    for key in ('seeds', 'steps', 'batch_size', 'lr', 'hidden', 'layers', 'heads', 'eval_samples', 'device',
-                'jobs', 'threads', 'curriculum', 'cuda_graph'):
+    for key in ('seeds', 'steps', 'batch_size', 'lr', 'hidden', 'layers', 'heads', 'eval_samples', 'eval_batch_size',
+                'device', 'jobs', 'threads', 'curriculum', 'cuda_graph'):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.hidden is not None and args.preset in PRESETS:

@@ -228,9 +228,17 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
             end = time.perf_counter()   # the last step's loss was read: the device is done
             train_time = end - start
             record['ms_per_step'] = 1e3 * (end - mid[1]) / max(1, steps - mid[0])
+            cuda = str(device).startswith('cuda')
+            if cuda:   # what training held at its peak (several runs share a GPU), then the eval starts clean
+                record['train_peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
+                del gstep
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             lengths = list(range(spec['train_min'], spec['test_max'] + 1))
             # the fixed test sets on rank 0 (the weights are the same on every rank)
             acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device) if rank == 0 else {}
+            if cuda:
+                record['eval_peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
             if world > 1:
                 torch.distributed.barrier()
     except (FloatingPointError, RuntimeError) as e:
