@@ -65,7 +65,9 @@ def main(argv=None):
     from fla_falcon.ops.falcon import FalconState, fused_recurrent_falcon
     from fla_falcon.ops.falcon import fused_recurrent as fr
     from fla_falcon.ops.falcon.utils import rule_info
-    configs = [None] if args.sweep is None else [tuple(int(x) for x in c.split(',')) for c in args.sweep]
+    # without --sweep: the kernel's choice, or the FLA_FALCON_FWD_CONFIG override if one is set
+    env_config = fr.FWD_CONFIG
+    configs = [env_config] if args.sweep is None else [tuple(int(x) for x in c.split(',')) for c in args.sweep]
 
     dev, dtype = 'cuda', DTYPES[args.dtype]
     H, D = args.heads, args.head_dim
@@ -115,12 +117,12 @@ def main(argv=None):
                 fr.FWD_CONFIG = cfg   # None: the kernel's default choice
                 t = bench(falcon_step)
                 ratio = {f"ratio_{k_.replace('_us', '')}": t[k_] / t_fla[k_] for k_ in t}
-                used = fr._fwd_config(D, D, W, True)
+                used = fr._fwd_config(D, D, W, True, decode=True)
                 rows.append(dict(op='fused_recurrent_falcon', rule=rule, window=W, B=B, BV=used[0],
                                  num_warps=used[1], maxnreg=used[2], **t, **ratio))
                 print(f"B={B:3d} {rule:9s} W={W} BV={used[0]} warps={used[1]} maxnreg={used[2]}: "
                       + ', '.join(f"{k_}={v_:.3f}" for k_, v_ in {**t, **ratio}.items()), flush=True)
-            fr.FWD_CONFIG = None
+            fr.FWD_CONFIG = env_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -724,7 +724,8 @@ BWD_CONFIG = _parse_config('FLA_FALCON_BWD_CONFIG')
 FWD_MAXNREG = 128   # the windowed rules' register cap in a decode step (see _fwd_config)
 
 
-def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True) -> tuple[int, int, int | None]:
+def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True,
+                decode: bool = False) -> tuple[int, int, int | None]:
     """(BV, num_warps, maxnreg) of the forward. Small V blocks as in fla (N*HV*V/8 programs keep a decode
     step memory-bound); one warp while the state slice and the window's rows fit its registers.
 
@@ -734,13 +735,18 @@ def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True) -> tuple
     schedules them later without spilling (scripts/aot_check.py, sm_90, K = V = 128, W = 2..4, bf16 and
     fp32, with an initial state: the decode specialization). Only there: under a cap ptxas can also take
     more registers than it needs (window 1: 95 instead of 80; K = 64: 122 instead of 96), and without an
-    initial state (prefill) falcon3 spills under it."""
+    initial state (prefill) falcon3 spills under it.
+
+    `decode` (at most one token per sequence) with no window: BV = 16, one warp. Measured on the H200 at
+    B = 64, H = 16, K = V = 128, bf16 (CUDA-graph device time, fla's step 49 us): BV 8 -> 16 takes falcon1/1a/2/2a
+    from 49.1-49.5 to 38.4-39.4 us; B = 1 stays at 2.5-2.8 us either way. Longer sequences keep BV = 8: a program
+    walks its sequence serially, so halving the programs would idle SMs when N * HV is small."""
     if FWD_CONFIG is not None:
         cfg = tuple(FWD_CONFIG) + (0,) * (3 - len(FWD_CONFIG))
         return cfg[0], cfg[1], (cfg[2] or None)
     if _interpret():
         return triton.next_power_of_2(V), 1, None      # fewer programs: the interpreter runs them one by one
-    BV = min(8, triton.next_power_of_2(V))
+    BV = min(16 if decode and W == 1 else 8, triton.next_power_of_2(V))
     BK = triton.next_power_of_2(K)
     work = BK * BV * triton.next_power_of_2(W)
     num_warps = 1 if work <= 4096 else 2 if work <= 8192 else 4
@@ -766,7 +772,7 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = window
     BK, BW = triton.next_power_of_2(K), triton.next_power_of_2(W)
-    BV, num_warps, maxnreg = _fwd_config(K, V, W, S0 is not None)
+    BV, num_warps, maxnreg = _fwd_config(K, V, W, S0 is not None, decode=B * T <= N)
     o = torch.empty_like(v)
     if output_final_state:
         St = q.new_empty(N, HV, K, V, dtype=torch.float32)
