@@ -415,3 +415,24 @@ def test_cuda_graph_training_matches_eager(tmp_path):
     assert recs[0]['status'] == recs[1]['status'] == 'ok'
     assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', recs[1]['step_mode']
     assert abs(recs[0]['final_loss'] - recs[1]['final_loss']) < 1e-3 * abs(recs[0]['final_loss'])
+
+
+def test_evaluate_builds_no_autograd_graph():
+    # the eval must not keep activations for a backward (a Mamba-2 eval peaked at 24 GB on the H200 with autograd on)
+    from evals.addition.train import evaluate
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(16))
+            self.grad_modes = []
+
+        def forward(self, input_ids, use_cache=False):
+            self.grad_modes.append(torch.is_grad_enabled())
+            logits = self.w.expand(*input_ids.shape, 16)
+            return type('Out', (), {'logits': logits})()
+
+    probe = Probe()
+    acc = evaluate(probe, [1, 2], samples=4, batch_size=3, device='cpu')
+    assert set(acc) == {1, 2} and probe.grad_modes and not any(probe.grad_modes)
+    assert probe.training   # evaluate() leaves the model in training mode again
