@@ -254,6 +254,25 @@ def test_large_head_dims_gpu(K, V):
         compare(rule, tensors, h0, W=W, ratio=5e-4)
 
 
+@pytest.mark.parametrize('inline', [True, False])
+@pytest.mark.parametrize('W', [2, 3, 4, 5])
+def test_falcon3_decode_step(W, inline, monkeypatch):
+    """falcon3 decode steps (at most one token per sequence): small grids with windows 2-4 compute lambda_max
+    inside the forward kernel, larger grids (forced here by the threshold) and window 5 in the energy kernel;
+    full, partial and empty windows, dense and varlen (an empty sequence)."""
+    from fla_falcon.ops.falcon import fused_recurrent as fr
+    if not inline:
+        monkeypatch.setattr(fr, 'INLINE_E_MAX_PROGRAMS', 0)
+    tensors, h0 = make_inputs('falcon3', 3, 1, 1, 2, 8, 6, W=W, counts=[W, 2, 0], seed=23 + W)
+    compare('falcon3', tensors, h0, W=W)
+    with torch.no_grad():
+        compare('falcon3', tensors, h0, W=W, grads=False)
+    # varlen: the three tokens of three one-token sequences, a fourth sequence empty
+    flat = [t.reshape(1, 3, *t.shape[2:]) for t in tensors]
+    h0v = make_inputs('falcon3', 4, 1, 1, 2, 8, 6, W=W, counts=[W, 1, 0, W - 1], seed=31 + W)[1]
+    compare('falcon3', flat, h0v, W=W, cu_seqlens=torch.tensor([0, 1, 2, 2, 3]))
+
+
 def test_decode_step_no_grad():
     """T = 1 with a state under no_grad (the decoding path without autograd)."""
     for rule in ('falcon2a', 'falcon3'):

@@ -231,77 +231,80 @@ def _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33):
 
 
 @triton.jit
+def _eig2(a, b, c):
+    """lambda_max and unit top eigenvector (u0, u1) of the symmetric 2x2 Gram [[a, b], [b, c]] (closed form)."""
+    lmax = 0.5 * (a + c) + tl.sqrt(0.25 * (a - c) * (a - c) + b * b)
+    # two candidate eigenvectors (l-c, b) and (b, l-a): the longer one is well conditioned
+    n1 = (lmax - c) * (lmax - c) + b * b
+    n2 = b * b + (lmax - a) * (lmax - a)
+    use1 = n1 >= n2
+    u0 = tl.where(use1, lmax - c, b)
+    u1 = tl.where(use1, b, lmax - a)
+    nn = tl.where(use1, n1, n2)
+    inv = 1.0 / tl.sqrt(tl.where(nn > 0, nn, 1.0))
+    u0 = tl.where(nn > 0, u0 * inv, 1.0)
+    u1 = tl.where(nn > 0, u1 * inv, 0.0)
+    return lmax, u0, u1
+
+
+@triton.jit
+def _eig4(g00, g01, g02, g03, g11, g12, g13, g22, g23, g33, NSQ: tl.constexpr):
+    """lambda_max and unit top eigenvector (u0..u3) of a symmetric 4x4 Gram given by its upper triangle,
+    as scalars (every thread holds the whole matrix: no cross-thread traffic), by squaring with an early
+    exit once the normalized power has converged (module docstring)."""
+    tr = g00 + g11 + g22 + g33
+    inv = 1.0 / tl.where(tr > 0, tr, 1.0)
+    a00, a01, a02, a03, a11 = g00 * inv, g01 * inv, g02 * inv, g03 * inv, g11 * inv
+    a12, a13, a22, a23, a33 = g12 * inv, g13 * inv, g22 * inv, g23 * inv, g33 * inv
+    delta = tr * 0 + 1.0
+    it = 0
+    while (delta > EIG_TOL) & (it < NSQ):
+        b00, b01, b02, b03, b11, b12, b13, b22, b23, b33 = _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33)
+        delta = tl.maximum(tl.maximum(tl.maximum(tl.abs(b00 - a00), tl.abs(b11 - a11)),
+                                      tl.maximum(tl.abs(b22 - a22), tl.abs(b33 - a33))),
+                           tl.maximum(tl.maximum(tl.abs(b01 - a01), tl.abs(b02 - a02)),
+                                      tl.maximum(tl.abs(b03 - a03), tl.abs(b12 - a12))))
+        delta = tl.maximum(delta, tl.maximum(tl.abs(b13 - a13), tl.abs(b23 - a23)))
+        a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = b00, b01, b02, b03, b11, b12, b13, b22, b23, b33
+        it += 1
+    # the column of the converged projector with the largest diagonal is the top eigenvector
+    u0, u1, u2, u3, best = a00, a01, a02, a03, a00
+    pick = a11 > best
+    u0, u1, u2, u3, best = (tl.where(pick, a01, u0), tl.where(pick, a11, u1), tl.where(pick, a12, u2),
+                            tl.where(pick, a13, u3), tl.where(pick, a11, best))
+    pick = a22 > best
+    u0, u1, u2, u3, best = (tl.where(pick, a02, u0), tl.where(pick, a12, u1), tl.where(pick, a22, u2),
+                            tl.where(pick, a23, u3), tl.where(pick, a22, best))
+    pick = a33 > best
+    u0, u1, u2, u3 = (tl.where(pick, a03, u0), tl.where(pick, a13, u1), tl.where(pick, a23, u2),
+                      tl.where(pick, a33, u3))
+    nn = u0 * u0 + u1 * u1 + u2 * u2 + u3 * u3
+    inv = 1.0 / tl.sqrt(tl.where(nn > 0, nn, 1.0))
+    u0 = tl.where(nn > 0, u0 * inv, 1.0)
+    u1, u2, u3 = u1 * inv, u2 * inv, u3 * inv
+    # Rayleigh quotient with the unnormalized Gram
+    lmax = (u0 * (g00 * u0 + g01 * u1 + g02 * u2 + g03 * u3) + u1 * (g01 * u0 + g11 * u1 + g12 * u2 + g13 * u3)
+            + u2 * (g02 * u0 + g12 * u1 + g22 * u2 + g23 * u3) + u3 * (g03 * u0 + g13 * u1 + g23 * u2 + g33 * u3))
+    return lmax, u0, u1, u2, u3
+
+
+@triton.jit
 def _top_eig(X, o_w, W: tl.constexpr, NSQ: tl.constexpr):
     """lambda_max and unit top eigenvector ``u [BW]`` of the window Gram ``X X^T`` (rows of X are the
     pairs' x; missing pairs are zero rows)."""
     if W == 2:
         x0 = _row(X, o_w, 0)
         x1 = _row(X, o_w, 1)
-        a = tl.sum(x0 * x0, 0)
-        b = tl.sum(x0 * x1, 0)
-        c = tl.sum(x1 * x1, 0)
-        lmax = 0.5 * (a + c) + tl.sqrt(0.25 * (a - c) * (a - c) + b * b)
-        # two candidate eigenvectors (l-c, b) and (b, l-a): the longer one is well conditioned
-        n1 = (lmax - c) * (lmax - c) + b * b
-        n2 = b * b + (lmax - a) * (lmax - a)
-        use1 = n1 >= n2
-        u0 = tl.where(use1, lmax - c, b)
-        u1 = tl.where(use1, b, lmax - a)
-        nn = tl.where(use1, n1, n2)
-        inv = 1.0 / tl.sqrt(tl.where(nn > 0, nn, 1.0))
-        u0 = tl.where(nn > 0, u0 * inv, 1.0)
-        u1 = tl.where(nn > 0, u1 * inv, 0.0)
+        lmax, u0, u1 = _eig2(tl.sum(x0 * x0, 0), tl.sum(x0 * x1, 0), tl.sum(x1 * x1, 0))
         u = tl.where(o_w == 0, u0, tl.where(o_w == 1, u1, 0.0))
     elif W <= 4:
-        # scalar code (every thread holds the whole 4x4 Gram: no cross-thread traffic), with an early
-        # exit once the normalized power has converged
         x0 = _row(X, o_w, 0)
         x1 = _row(X, o_w, 1)
         x2 = _row(X, o_w, 2)
         x3 = _row(X, o_w, 3)
-        g00 = tl.sum(x0 * x0, 0)
-        g01 = tl.sum(x0 * x1, 0)
-        g02 = tl.sum(x0 * x2, 0)
-        g03 = tl.sum(x0 * x3, 0)
-        g11 = tl.sum(x1 * x1, 0)
-        g12 = tl.sum(x1 * x2, 0)
-        g13 = tl.sum(x1 * x3, 0)
-        g22 = tl.sum(x2 * x2, 0)
-        g23 = tl.sum(x2 * x3, 0)
-        g33 = tl.sum(x3 * x3, 0)
-        tr = g00 + g11 + g22 + g33
-        inv = 1.0 / tl.where(tr > 0, tr, 1.0)
-        a00, a01, a02, a03, a11 = g00 * inv, g01 * inv, g02 * inv, g03 * inv, g11 * inv
-        a12, a13, a22, a23, a33 = g12 * inv, g13 * inv, g22 * inv, g23 * inv, g33 * inv
-        delta = tr * 0 + 1.0
-        it = 0
-        while (delta > EIG_TOL) & (it < NSQ):
-            b00, b01, b02, b03, b11, b12, b13, b22, b23, b33 = _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33)
-            delta = tl.maximum(tl.maximum(tl.maximum(tl.abs(b00 - a00), tl.abs(b11 - a11)),
-                                          tl.maximum(tl.abs(b22 - a22), tl.abs(b33 - a33))),
-                               tl.maximum(tl.maximum(tl.abs(b01 - a01), tl.abs(b02 - a02)),
-                                          tl.maximum(tl.abs(b03 - a03), tl.abs(b12 - a12))))
-            delta = tl.maximum(delta, tl.maximum(tl.abs(b13 - a13), tl.abs(b23 - a23)))
-            a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = b00, b01, b02, b03, b11, b12, b13, b22, b23, b33
-            it += 1
-        # the column of the converged projector with the largest diagonal is the top eigenvector
-        u0, u1, u2, u3, best = a00, a01, a02, a03, a00
-        pick = a11 > best
-        u0, u1, u2, u3, best = (tl.where(pick, a01, u0), tl.where(pick, a11, u1), tl.where(pick, a12, u2),
-                                tl.where(pick, a13, u3), tl.where(pick, a11, best))
-        pick = a22 > best
-        u0, u1, u2, u3, best = (tl.where(pick, a02, u0), tl.where(pick, a12, u1), tl.where(pick, a22, u2),
-                                tl.where(pick, a23, u3), tl.where(pick, a22, best))
-        pick = a33 > best
-        u0, u1, u2, u3 = (tl.where(pick, a03, u0), tl.where(pick, a13, u1), tl.where(pick, a23, u2),
-                          tl.where(pick, a33, u3))
-        nn = u0 * u0 + u1 * u1 + u2 * u2 + u3 * u3
-        inv = 1.0 / tl.sqrt(tl.where(nn > 0, nn, 1.0))
-        u0 = tl.where(nn > 0, u0 * inv, 1.0)
-        u1, u2, u3 = u1 * inv, u2 * inv, u3 * inv
-        # Rayleigh quotient with the unnormalized Gram
-        lmax = (u0 * (g00 * u0 + g01 * u1 + g02 * u2 + g03 * u3) + u1 * (g01 * u0 + g11 * u1 + g12 * u2 + g13 * u3)
-                + u2 * (g02 * u0 + g12 * u1 + g22 * u2 + g23 * u3) + u3 * (g03 * u0 + g13 * u1 + g23 * u2 + g33 * u3))
+        lmax, u0, u1, u2, u3 = _eig4(tl.sum(x0 * x0, 0), tl.sum(x0 * x1, 0), tl.sum(x0 * x2, 0), tl.sum(x0 * x3, 0),
+                                     tl.sum(x1 * x1, 0), tl.sum(x1 * x2, 0), tl.sum(x1 * x3, 0),
+                                     tl.sum(x2 * x2, 0), tl.sum(x2 * x3, 0), tl.sum(x3 * x3, 0), NSQ)
         u = tl.where(o_w == 0, u0, tl.where(o_w == 1, u1, tl.where(o_w == 2, u2, tl.where(o_w == 3, u3, 0.0))))
     else:
         G = tl.sum(X[:, None, :] * X[None, :, :], 2)
@@ -449,8 +452,10 @@ def falcon_fused_recurrent_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     REGRESSION: tl.constexpr, PER_COLUMN: tl.constexpr, SHIFT: tl.constexpr,
     USE_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, INLINE_E: tl.constexpr, NSQ: tl.constexpr,
 ):
+    # INLINE_E (falcon3, windows 2-4): each program computes the window's lambda_max from the rows it holds
+    # instead of reading E; for decoding, where one launch less matters more than the repeated 4x4 eigenproblem
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -494,6 +499,19 @@ def falcon_fused_recurrent_fwd_kernel(
             rs = rs + (b_y,)
         if W == 1:
             b_E = b_e
+        elif REGRESSION and INLINE_E:
+            # falcon3's lambda_max / B_t from the window rows in registers (missing pairs are zero rows)
+            if W == 2:
+                lmax, _, _ = _eig2(tl.sum(xs[0] * xs[0], 0), tl.sum(xs[0] * xs[1], 0), tl.sum(xs[1] * xs[1], 0))
+            else:
+                g03, g13, g23, g33 = 0.0, 0.0, 0.0, 0.0
+                if W == 4:
+                    g03, g13 = tl.sum(xs[0] * xs[3], 0), tl.sum(xs[1] * xs[3], 0)
+                    g23, g33 = tl.sum(xs[2] * xs[3], 0), tl.sum(xs[3] * xs[3], 0)
+                lmax, _, _, _, _ = _eig4(tl.sum(xs[0] * xs[0], 0), tl.sum(xs[0] * xs[1], 0), tl.sum(xs[0] * xs[2], 0),
+                                         g03, tl.sum(xs[1] * xs[1], 0), tl.sum(xs[1] * xs[2], 0), g13,
+                                         tl.sum(xs[2] * xs[2], 0), g23, g33, NSQ)
+            b_E = lmax / tl.maximum(nb, 1.0)
         elif REGRESSION:
             # falcon3's lambda_max / B_t, once per (token, key head) by falcon_window_energy_kernel
             b_E = tl.load(E + (bos + t) * H + i_h)
@@ -722,6 +740,12 @@ def _parse_config(name: str):
 FWD_CONFIG = _parse_config('FLA_FALCON_FWD_CONFIG')
 BWD_CONFIG = _parse_config('FLA_FALCON_BWD_CONFIG')
 FWD_MAXNREG = 128   # the windowed rules' register cap in a decode step (see _fwd_config)
+# falcon3 decode steps whose grid fits in about one wave of 1-warp programs (H200: 132 SMs x 12-16) compute
+# lambda_max inside the forward kernel (INLINE_E): launch-bound there, one launch less counts; beyond, the
+# separate energy kernel keeps the forward at 128 registers. The inline build needs 158 (aot_check, sm_90,
+# K = V = 128, W = 4; spills under 128), hence its own cap
+INLINE_E_MAX_PROGRAMS = 2048
+FWD_MAXNREG_INLINE_E = 160
 
 
 def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True,
@@ -783,8 +807,14 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     else:
         St = lkt = txt = tvt = ct = None
     E = None
-    if regression and W > 1:
-        # falcon3: the window's lambda_max once per (token, key head), not once per value block
+    # a small decode step (at most one token per sequence, a grid of about one wave) of falcon3 with a window of
+    # 2-4 computes lambda_max inside the forward kernel (one launch instead of two); otherwise it is computed once
+    # per (token, key head) instead of once per value block, in falcon_window_energy_kernel
+    inline_e = (regression and 1 < W <= 4 and B * T <= N
+                and N * HV * triton.cdiv(V, BV) <= INLINE_E_MAX_PROGRAMS)
+    if inline_e and maxnreg is not None and FWD_CONFIG is None:
+        maxnreg = max(maxnreg, FWD_MAXNREG_INLINE_E)
+    if regression and W > 1 and not inline_e:
         E = q.new_empty(max(B * T, 1), H, dtype=torch.float32)
     if E is not None and B * T > 0:
         seq_idx = None
@@ -803,7 +833,7 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
         H=H, HV=HV, K=K, V=V, W=W, BK=BK, BV=BV,
         REGRESSION=regression, PER_COLUMN=per_column, SHIFT=shift,
         USE_LAM=lam is not None, LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=S0 is not None,
-        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None,
+        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None, INLINE_E=inline_e, NSQ=NSQ,
         num_warps=num_warps, num_stages=1, maxnreg=maxnreg,
     )
     return o, (St, lkt, txt, tvt, ct)
