@@ -74,6 +74,23 @@ def test_batch_targets_cover_only_the_answer():
     assert tb.lengths.min() >= 2 and tb.lengths.max() <= 4
 
 
+def test_batch_matches_one_by_one_encoding():
+    # the batched builder writes exactly what encoding its operands one by one writes, for every length and
+    # carry pattern (9...9 + 1 grows a digit); operands have n digits, the leading one non-zero unless n = 1
+    gen = torch.Generator().manual_seed(3)
+    ns = [n for n in range(1, 49) for _ in range(8)]
+    b = make_batch(ns, gen)
+    for ids, tgt, n in zip(b.input_ids.tolist(), b.targets.tolist(), ns):
+        x, y, z = TOK.decode(ids)
+        assert x + y == z and len(str(x)) == n and len(str(y)) == n
+        enc, start = TOK.encode(x, y)
+        assert ids[:len(enc)] == enc and all(t == TOK.pad for t in ids[len(enc):])
+        assert tgt[:start] == [IGNORE] * start and tgt[start:len(enc)] == enc[start:]
+        assert all(t == IGNORE for t in tgt[len(enc):])
+    ones = make_batch([1] * 1000, gen).input_ids[:, 1] - TOK.digit0
+    assert set(ones.tolist()) == set(range(10))          # one-digit operands include 0
+
+
 def test_loss_mask_answer_tokens_only():
     gen = torch.Generator().manual_seed(2)
     b = make_batch([2, 4], gen)

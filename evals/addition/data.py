@@ -89,19 +89,48 @@ class Batch:
 
 
 def make_batch(ns, gen: torch.Generator, tok: AdditionTokenizer = TOKENIZER) -> Batch:
-    """One example per entry of `ns` (operand digit counts)."""
-    seqs, starts = [], []
-    for n in ns:
-        s, start = tok.encode(sample_operand(int(n), gen), sample_operand(int(n), gen))
-        seqs.append(s)
-        starts.append(start)
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), tok.pad, dtype=torch.long)
-    tgt = torch.full((len(seqs), T), IGNORE, dtype=torch.long)
-    for i, (s, start) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = torch.tensor(s)
-        tgt[i, start:len(s)] = ids[i, start:len(s)]    # the answer digits and <eos>
-    return Batch(ids, tgt, torch.tensor([int(n) for n in ns], dtype=torch.long))
+    """One example per entry of `ns` (operand digit counts), built with batched tensor ops (a GPU step of the
+    paper preset's models takes a few ms; one Python loop per example took ~7 ms a batch of 128 on the CPU).
+    Same format and distribution as encoding `sample_operand` pairs one by one."""
+    n = torch.as_tensor(ns, dtype=torch.long).reshape(-1)
+    if n.numel() and int(n.min()) < 1:
+        raise ValueError(f"operand lengths must be >= 1, got {int(n.min())}")
+    Bn = n.numel()
+    L = int(n.max()) if Bn else 1
+    pos = torch.arange(L)
+    inside = pos[None, :] < n[:, None]
+    top = (pos[None, :] == (n - 1)[:, None]) & (n[:, None] > 1)   # the leading digit of a multi-digit operand
+    # digits least-significant first: uniform 0-9, the leading one 1-9, zero beyond the operand
+    a = torch.randint(0, 10, (Bn, L), generator=gen)
+    a = torch.where(top, torch.randint(1, 10, (Bn, L), generator=gen), a) * inside
+    b = torch.randint(0, 10, (Bn, L), generator=gen)
+    b = torch.where(top, torch.randint(1, 10, (Bn, L), generator=gen), b) * inside
+    # c = a + b digit by digit with the carry, one more digit for the last carry
+    c = torch.zeros(Bn, L + 1, dtype=torch.long)
+    carry = torch.zeros(Bn, dtype=torch.long)
+    for i in range(L):
+        s = a[:, i] + b[:, i] + carry
+        c[:, i], carry = s % 10, s // 10
+    c[:, L] = carry
+    m = n + (c.gather(1, n[:, None]).squeeze(1) > 0).long()          # answer digits: n, or n + 1 with a carry out
+    # layout: <bos> a (n) + b (n) = c (m) <eos>, then <pad>
+    T = int((2 * n + m + 4).max()) if Bn else 1
+    t = torch.arange(T)[None, :]
+    n_, m_ = n[:, None], m[:, None]
+    ids = torch.full((Bn, T), tok.pad, dtype=torch.long)
+    ids = torch.where(t == 0, tok.bos, ids)
+    ia = (t - 1).clamp(0, L - 1)
+    ids = torch.where((t >= 1) & (t <= n_), tok.digit0 + a.gather(1, ia.expand(Bn, T)), ids)
+    ids = torch.where(t == n_ + 1, tok.plus, ids)
+    ib = (t - n_ - 2).clamp(0, L - 1)
+    ids = torch.where((t >= n_ + 2) & (t <= 2 * n_ + 1), tok.digit0 + b.gather(1, ib), ids)
+    ids = torch.where(t == 2 * n_ + 2, tok.eq, ids)
+    ic = (t - 2 * n_ - 3).clamp(0, L)
+    ids = torch.where((t >= 2 * n_ + 3) & (t < 2 * n_ + 3 + m_), tok.digit0 + c.gather(1, ic), ids)
+    ids = torch.where(t == 2 * n_ + 3 + m_, tok.eos, ids)
+    answer = (t >= 2 * n_ + 3) & (t <= 2 * n_ + 3 + m_)                # the answer digits and <eos>
+    tgt = torch.where(answer, ids, torch.full_like(ids, IGNORE))
+    return Batch(ids, tgt, n.clone())
 
 
 def train_batch(batch_size: int, min_len: int, max_len: int, gen: torch.Generator) -> Batch:
