@@ -951,8 +951,23 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
 # intra-chunk products are split by 16-row sub-chunks: for t in sub-chunk a and s before it,
 # exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r the last row before sub-chunk a (both
 # factors <= 1, a tensor-core product between them); the diagonal 16x16 blocks go one offset d at
-# a time (rows s = 16 (t // 16) + d gathered from memory), elementwise in fp32.
+# a time (rows s = 16 (t // 16) + d gathered from memory), elementwise in fp32, unless every sub-chunk's
+# decay span (G at its first row minus G at its rows, over all columns) is <= DIAG_SPAN: then
+# exp(G_t - G_s) = exp(G_t - G_f) exp(G_f - G_s) with f the sub-chunk's first row, one masked tensor-core
+# product for all four diagonal blocks (factors in [e^-80, e^80]: no fp32 or bf16 overflow or underflow).
+# Strong decay (the clamp active for a few steps in a row) takes the exact per-offset path.
 # ----------------------------------------------------------------------------------------------
+
+DIAG_SPAN = tl.constexpr(80.0)
+
+
+@triton.jit
+def _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """(G at the first row of each row's 16-row sub-chunk [BT, BV], the largest G_f - G_s over real entries)."""
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_f = ((bos + i_t * BT + (o_s // 16) * 16) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_Gf = tl.load(G + p_f, mask=m_tv, other=0)
+    return b_Gf, tl.max(tl.max(tl.where(m_tv, b_Gf - b_G, 0.), 1), 0)
 
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
@@ -993,19 +1008,28 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
         b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
         b_oa = tl.dot(b_Aa.to(b_q.dtype), b_ua.to(b_q.dtype))
         b_o += tl.where(m_a[:, None], b_oa * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-    for d in range(16):
-        s_t = (o_s // 16) * 16 + d
-        m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
-        b_ad = tl.sum(tl.where(o_s[None, :] == s_t[:, None], b_A, 0.), 1)
-        p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        m_sv = m_d[:, None] & m_v[None, :]
-        b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
-        b_us = tl.load(v + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
-        b_o += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)) * b_us, 0.)
+    b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
+    if span <= DIAG_SPAN:
+        # the four diagonal blocks at once, factored at each sub-chunk's first row
+        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] <= o_s[:, None])
+        b_ud = tl.where(m_tv, b_u * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
+        b_od = tl.dot(tl.where(m_dg, b_A, 0.).to(b_q.dtype), b_ud.to(b_q.dtype))
+        b_o += tl.where(m_tv, b_od * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
+    else:
+        for d in range(16):
+            s_t = (o_s // 16) * 16 + d
+            m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
+            b_ad = tl.sum(tl.where(o_s[None, :] == s_t[:, None], b_A, 0.), 1)
+            p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            m_sv = m_d[:, None] & m_v[None, :]
+            b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
+            b_us = tl.load(v + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
+            b_o += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)) * b_us, 0.)
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+# 8 warps: with 4, ptxas spills ~100 B at K = V = 128 since the diagonal blocks' tensor-core path (aot_check, sm_90)
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
                       cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1043,15 +1067,23 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
         b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
         b_dua = tl.dot(b_Aa.to(b_q.dtype), b_doa.to(b_q.dtype))
         b_du += tl.where(m_b[:, None], b_dua * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-    for d in range(16):
-        t_s = (o_s // 16) * 16 + d
-        m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
-        b_ad = tl.sum(tl.where(o_s[None, :] == t_s[:, None], b_At, 0.), 1)
-        p_s = ((bos + i_t * BT + t_s) * HV + i_hv)[:, None] * V + o_v[None, :]
-        m_sv = m_d[:, None] & m_v[None, :]
-        b_Gt = tl.load(G + p_s, mask=m_sv, other=0)
-        b_dot = tl.load(do + p_s, mask=m_sv, other=0).to(tl.float32)
-        b_du += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_Gt - b_G, 0.)) * b_dot, 0.)
+    b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
+    if span <= DIAG_SPAN:
+        # the four diagonal blocks at once: dU_s = exp(G_f - G_s) sum_t (x_s.q_t) exp(G_t - G_f) do_t
+        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] >= o_s[:, None])
+        b_dod = tl.where(m_tv, b_do * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
+        b_dud = tl.dot(tl.where(m_dg, b_At, 0.).to(b_q.dtype), b_dod.to(b_q.dtype))
+        b_du += tl.where(m_tv, b_dud * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
+    else:
+        for d in range(16):
+            t_s = (o_s // 16) * 16 + d
+            m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
+            b_ad = tl.sum(tl.where(o_s[None, :] == t_s[:, None], b_At, 0.), 1)
+            p_s = ((bos + i_t * BT + t_s) * HV + i_hv)[:, None] * V + o_v[None, :]
+            m_sv = m_d[:, None] & m_v[None, :]
+            b_Gt = tl.load(G + p_s, mask=m_sv, other=0)
+            b_dot = tl.load(do + p_s, mask=m_sv, other=0).to(tl.float32)
+            b_du += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_Gt - b_G, 0.)) * b_dot, 0.)
     tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
