@@ -1237,22 +1237,35 @@ def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm
             if DELTA:
                 b_aa = tl.where(m_a[:, None], b_a * tl.exp(tl.where(m_a[:, None], b_Gx - b_Gr[None, :], 0.)), 0.)
                 b_dm += tl.dot(b_aa.to(dt), tl.trans(b_ua.to(dt)))
-        # ... and the diagonal blocks one offset at a time
-        for d in range(16):
-            s_t = (o_s // 16) * 16 + d
-            m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
-            p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            m_sv = m_d[:, None] & m_v[None, :]
-            b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
-            b_us = tl.load(val + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
-            b_sum = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
-            # a separate accumulator: a bool mask must not be converted into the dot layout
-            b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_sum[:, None]
+        # ... and the diagonal blocks: one tensor-core product factored at each sub-chunk's first row f when
+        # the decay spans at most DIAG_SPAN there (Gx_t - G_f <= 0 too for t > f), else one offset at a time
+        b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
+        if span <= DIAG_SPAN:
+            # the float factor keeps the sub-chunk mask out of the dot layout (as b_dsd below)
+            b_same = ((o_s[:, None] // 16) == (o_s[None, :] // 16)).to(tl.float32)
+            b_uf = tl.where(m_tv, b_u * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.).to(dt)
+            b_dof = tl.where(m_tv, b_do * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
+            b_dsd += b_same * tl.dot(b_dof.to(dt), tl.trans(b_uf))
             if DELTA:
-                m_dd = m_d & (s_t < o_s)
-                m_sv2 = m_dd[:, None] & m_v[None, :]
-                b_sum2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
-                b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_sum2[:, None]
+                m_x = m_tv & ((o_s % 16) != 0)[:, None]
+                b_af = tl.where(m_x, b_a * tl.exp(tl.where(m_x, b_Gx - b_Gf, 0.)), 0.)
+                b_dmd += b_same * tl.dot(b_af.to(dt), tl.trans(b_uf))
+        else:
+            for d in range(16):
+                s_t = (o_s // 16) * 16 + d
+                m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
+                p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+                m_sv = m_d[:, None] & m_v[None, :]
+                b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
+                b_us = tl.load(val + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
+                b_sum = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
+                # a separate accumulator: a bool mask must not be converted into the dot layout
+                b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_sum[:, None]
+                if DELTA:
+                    m_dd = m_d & (s_t < o_s)
+                    m_sv2 = m_dd[:, None] & m_v[None, :]
+                    b_sum2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
+                    b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_sum2[:, None]
     b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     b_dq = tl.load(dqa + p_tk, mask=m_tk, other=0) + tl.dot(b_ds.to(dt), b_xl)
