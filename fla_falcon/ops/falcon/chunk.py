@@ -969,6 +969,25 @@ def _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV: tl.constexpr, V: 
     b_Gf = tl.load(G + p_f, mask=m_tv, other=0)
     return b_Gf, tl.max(tl.max(tl.where(m_tv, b_Gf - b_G, 0.), 1), 0)
 
+
+@triton.jit
+def _diag_blocks(b_S, b_X, b_G, b_Gf, m_tv, o_s, FWD: tl.constexpr, dt: tl.constexpr):
+    """sum_s S[r, s] exp(G_r - G_s) X_s over the diagonal 16-row blocks (r, s in one sub-chunk) by one tensor-core
+    product factored at the sub-chunk's first row f (the span check of _diag_span keeps the factors finite).
+    FWD: S = [t, s], s <= t (outputs from inputs); else S = [s, t], t >= s with G_r - G_s read as G_s - G_r
+    (input gradients from output gradients)."""
+    if FWD:
+        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] <= o_s[:, None])
+        b_in = tl.where(m_tv, b_X * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
+    else:
+        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] >= o_s[:, None])
+        b_in = tl.where(m_tv, b_X * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
+    b_out = tl.dot(tl.where(m_dg, b_S, 0.).to(dt), b_in.to(dt))
+    if FWD:
+        return tl.where(m_tv, b_out * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
+    else:
+        return tl.where(m_tv, b_out * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
+
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
@@ -1010,11 +1029,7 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
         b_o += tl.where(m_a[:, None], b_oa * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
     b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
     if span <= DIAG_SPAN:
-        # the four diagonal blocks at once, factored at each sub-chunk's first row
-        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] <= o_s[:, None])
-        b_ud = tl.where(m_tv, b_u * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
-        b_od = tl.dot(tl.where(m_dg, b_A, 0.).to(b_q.dtype), b_ud.to(b_q.dtype))
-        b_o += tl.where(m_tv, b_od * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
+        b_o += _diag_blocks(b_A, b_u, b_G, b_Gf, m_tv, o_s, True, b_q.dtype)
     else:
         for d in range(16):
             s_t = (o_s // 16) * 16 + d
@@ -1069,11 +1084,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
         b_du += tl.where(m_b[:, None], b_dua * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
     b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
     if span <= DIAG_SPAN:
-        # the four diagonal blocks at once: dU_s = exp(G_f - G_s) sum_t (x_s.q_t) exp(G_t - G_f) do_t
-        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] >= o_s[:, None])
-        b_dod = tl.where(m_tv, b_do * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
-        b_dud = tl.dot(tl.where(m_dg, b_At, 0.).to(b_q.dtype), b_dod.to(b_q.dtype))
-        b_du += tl.where(m_tv, b_dud * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
+        b_du += _diag_blocks(b_At, b_do, b_G, b_Gf, m_tv, o_s, False, b_q.dtype)
     else:
         for d in range(16):
             t_s = (o_s // 16) * 16 + d
