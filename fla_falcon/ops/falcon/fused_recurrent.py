@@ -764,14 +764,16 @@ def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True,
     `decode` (at most one token per sequence) with no window: BV = 16, one warp. Measured on the H200 at
     B = 64, H = 16, K = V = 128, bf16 (CUDA-graph device time, fla's step 49 us): BV 8 -> 16 takes falcon1/1a/2/2a
     from 49.1-49.5 to 38.4-39.4 us; B = 1 stays at 2.5-2.8 us either way. Longer sequences keep BV = 8: a program
-    walks its sequence serially, so halving the programs would idle SMs when N * HV is small."""
+    walks its sequence serially, so halving the programs would idle SMs when N * HV is small; so do K > 128,
+    where a 16-wide slice of the state alone takes 128 registers of a one-warp program (falcon1 at K = 256: 255
+    and a spill, aot_check)."""
     if FWD_CONFIG is not None:
         cfg = tuple(FWD_CONFIG) + (0,) * (3 - len(FWD_CONFIG))
         return cfg[0], cfg[1], (cfg[2] or None)
     if _interpret():
         return triton.next_power_of_2(V), 1, None      # fewer programs: the interpreter runs them one by one
-    BV = min(16 if decode and W == 1 else 8, triton.next_power_of_2(V))
     BK = triton.next_power_of_2(K)
+    BV = min(16 if decode and W == 1 and BK <= 128 else 8, triton.next_power_of_2(V))
     work = BK * BV * triton.next_power_of_2(W)
     num_warps = 1 if work <= 4096 else 2 if work <= 8192 else 4
     cap = FWD_MAXNREG if W > 1 and use_initial_state and num_warps == 1 and BK * BV == 1024 else None
