@@ -15,13 +15,14 @@ PRESETS = {
     # CPU smoke test: every model end to end in minutes on 2 cores; not the paper's experiment
     'tiny': dict(device='cpu', seeds=[0], hidden=64, layers=2, heads=2, intermediate=192, train_min=1, train_max=3,
                  test_min=4, test_max=6, steps=1000, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.01,
-                 eval_samples=200, eval_batch_size=200, jobs=2, threads=1, mamba_chunk=16, curriculum=0.0, cuda_graph=False),
+                 eval_samples=200, eval_batch_size=200, jobs=2, threads=1, mamba_chunk=16, curriculum=0.0,
+                 cuda_graph=False, tf32=False),
     # the paper's protocol (SPEC section 6): train on 1-32 digit operands, test on 33-48; GPU. The paper does
     # not state its schedule; 3000 steps x 128 examples is our guess (README: what a first attempt measured)
     'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
                   train_max=32, test_min=33, test_max=48, steps=3000, batch_size=128, lr=2e-3, warmup=200,
                   weight_decay=0.1, eval_samples=1000, eval_batch_size=250, jobs_per_gpu=4, threads=2,
-                  mamba_chunk=64, curriculum=0.5, cuda_graph=True),
+                  mamba_chunk=64, curriculum=0.5, cuda_graph=True, tf32=True),
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
                   'gdn', 'deltanet', 'mamba2', 'transformer')
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="capture each training step once as a CUDA graph and replay it (single-GPU runs; batches "
                         "padded to the longest training example; falls back to eager steps, with the reason in "
                         "the run's JSON, if capture fails) (preset: tiny off, paper on)")
+    p.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=None,
+                   help="PyTorch's fp32 matmuls on a GPU in TF32 (tensor cores; Triton's fp32 tl.dot already is), "
+                        "for every model alike (preset: tiny off, paper on)")
     p.add_argument('--eval-samples', type=int, default=None, help="test examples per operand length")
     p.add_argument('--eval-batch-size', type=int, default=None,
                    help="test examples per forward pass (lower it when several runs share a GPU's memory)")
@@ -85,7 +89,7 @@ def build_specs(args) -> tuple[list[dict], dict]:
     from evals.addition.models import check_model_name
     cfg = dict(PRESETS[args.preset])
     for key in ('seeds', 'steps', 'batch_size', 'lr', 'hidden', 'layers', 'heads', 'eval_samples', 'eval_batch_size',
-                'device', 'jobs', 'threads', 'curriculum', 'cuda_graph'):
+                'device', 'jobs', 'threads', 'curriculum', 'cuda_graph', 'tf32'):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.hidden is not None and args.preset in PRESETS:
@@ -110,7 +114,7 @@ def build_specs(args) -> tuple[list[dict], dict]:
     size = dict(hidden=cfg['hidden'], layers=cfg['layers'], heads=cfg['heads'], intermediate=cfg['intermediate'],
                 mamba_chunk=cfg['mamba_chunk'])
     keys = ('train_min', 'train_max', 'test_min', 'test_max', 'steps', 'batch_size', 'lr', 'warmup', 'weight_decay',
-            'eval_samples', 'eval_batch_size', 'threads', 'curriculum', 'cuda_graph')
+            'eval_samples', 'eval_batch_size', 'threads', 'curriculum', 'cuda_graph', 'tf32')
     specs = [dict(model=m, seed=s, device=cfg['device'], kernels=args.kernels, size=size, **{k: cfg[k] for k in keys})
              for s in cfg['seeds'] for m in args.models]
     meta = dict(preset=args.preset, train_lengths=[cfg['train_min'], cfg['train_max']],

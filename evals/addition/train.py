@@ -134,6 +134,12 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     record = dict(model=spec['model'], seed=spec['seed'], device=device, kernels=spec['kernels'], world_size=world)
     if spec.get('threads'):
         torch.set_num_threads(int(spec['threads']))
+    if str(device).startswith('cuda'):
+        # these models train in fp32; TF32 puts PyTorch's matmuls on tensor cores (Triton's fp32 dots already are)
+        torch.backends.cuda.matmul.allow_tf32 = bool(spec.get('tf32', False))
+        record_tf32 = torch.backends.cuda.matmul.allow_tf32
+    else:
+        record_tf32 = False
     torch.manual_seed(spec['seed'])   # the same initial weights on every rank
     size = dict(spec['size'], max_len=3 * spec['test_max'] + 8)
     try:
@@ -143,7 +149,7 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     except Unavailable as e:
         return dict(record, status='unavailable', reason=str(e))
     record.update(status='ok', route=info['route'], model_class=info['model_class'], params=info['params'],
-                  config=info['config'])
+                  config=info['config'], tf32=record_tf32)
     # weight decay on matrices only (not norms, biases, gate biases marked _no_weight_decay)
     decayed = {id(p) for p in model.parameters() if p.dim() >= 2 and not getattr(p, '_no_weight_decay', False)}
     groups = [dict(params=[p for p in model.parameters() if id(p) in decayed], weight_decay=spec['weight_decay']),
