@@ -453,3 +453,28 @@ def test_evaluate_builds_no_autograd_graph():
     acc = evaluate(probe, [1, 2], samples=4, batch_size=3, device='cpu')
     assert set(acc) == {1, 2} and probe.grad_modes and not any(probe.grad_modes)
     assert probe.training   # evaluate() leaves the model in training mode again
+
+
+def test_batch_stream_same_batches_in_order_and_errors():
+    from evals.addition.train import BatchStream
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    stream = BatchStream(lambda i: train_batch(8, 1, 1 + i % 4, gen_a), steps=10, depth=2)
+    for i in range(10):
+        got, want = stream.get(), train_batch(8, 1, 1 + i % 4, gen_b)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.targets, want.targets)
+    stream.close()
+
+    def bad(i):
+        if i == 3:
+            raise FloatingPointError("step 3")
+        return i
+    stream = BatchStream(bad, steps=10)
+    assert [stream.get() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(FloatingPointError, match="step 3"):
+        stream.get()
+    stream.close()
+    # closed early: the producer stops instead of waiting on a full queue
+    stream = BatchStream(lambda i: i, steps=1000, depth=1)
+    assert stream.get() == 0
+    stream.close()
+    assert not stream._thread.is_alive()

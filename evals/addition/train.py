@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 import warnings
 
@@ -51,6 +53,45 @@ def evaluate(model, lengths, samples: int, batch_size: int, device: str) -> dict
         acc[int(n)] = correct / total
     model.train()
     return acc
+
+
+class BatchStream:
+    """Training batches made ahead by a background thread: ``fn(step)`` for step = 0, 1, ... in order (the same
+    batches as calling it inline, since one thread draws from the generator), at most `depth` ahead. A GPU step
+    of the paper preset's small models can be shorter than making its batch on the CPU; this overlaps the two.
+    An exception in `fn` is raised by the `get` that would have returned its batch."""
+
+    def __init__(self, fn, steps: int, depth: int = 4):
+        self._q = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+
+        def work():
+            for step in range(steps):
+                try:
+                    item = fn(step)
+                except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+                    item = e
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set() or isinstance(item, BaseException):
+                    return
+
+        self._thread = threading.Thread(target=work, name='addition-batches', daemon=True)
+        self._thread.start()
+
+    def get(self):
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _dist_rank_world() -> tuple[int, int]:
@@ -181,16 +222,18 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     bar = tqdm(range(steps), desc=f"{spec['model']} s{spec['seed']}", position=position, leave=True,
                disable=not progress, dynamic_ncols=True, mininterval=1.0)
     model.train()
+    batches = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             gstep = GraphedStep(model, opt, local_batch, 3 * spec['train_max'] + 5, device) if graphed else None
             side = torch.cuda.Stream() if graphed else None
+            batches = BatchStream(lambda i: train_batch(
+                local_batch, spec['train_min'],
+                curriculum_max(i, steps, spec['train_min'], spec['train_max'], spec.get('curriculum', 0.0)), gen), steps)
             for step in bar:
                 _set_lr(opt, lr_at(step, steps, spec['lr'], spec['warmup']))
-                b = train_batch(local_batch, spec['train_min'],
-                                curriculum_max(step, steps, spec['train_min'], spec['train_max'],
-                                               spec.get('curriculum', 0.0)), gen).to(device)
+                b = batches.get().to(device)
                 if gstep is not None:
                     gstep.load(b)
                     if step < GRAPH_WARMUP:   # eager steps on a side stream before the capture
@@ -233,6 +276,7 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                         el = time.perf_counter() - start
                         print(f"  {spec['model']} s{spec['seed']}: step {step + 1}/{steps}, loss {mean:.3f}, "
                               f"{el:.0f} s ({1e3 * el / (step + 1):.0f} ms/step)", flush=True)
+            batches.close()
             end = time.perf_counter()   # the last step's loss was read: the device is done
             train_time = end - start
             record['ms_per_step'] = 1e3 * (end - mid[1]) / max(1, steps - mid[0])
@@ -251,6 +295,8 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                 torch.distributed.barrier()
     except (FloatingPointError, RuntimeError) as e:
         bar.close()
+        if batches is not None:
+            batches.close()
         return dict(record, status='failed', reason=f"{type(e).__name__}: {e}",
                     train_time_s=time.perf_counter() - start)
     bar.close()
