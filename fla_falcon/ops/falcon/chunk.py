@@ -789,7 +789,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-             dk, dlast_k, dbeta, dlam, scale, eps, eps_gamma,
+             dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -841,23 +841,35 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
             tl.store(dv + p_tv, (b_du * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
         b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
-        b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
+        if DELTA:
+            b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
         b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
-    m_st = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]
-    b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
+    # dq first, stored before dx is formed: fewer [BT, BK] fp32 tiles live at once
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
-    b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
-    b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
     # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
-    b_xf = b_x.to(tl.float32)
-    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - tl.sum(b_xf * b_dx, 1)
-    b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
-    b_dG += tl.where(o_t == last, b_end, 0.)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1)
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    if DELTA:
+        m_st = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]
+        b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
+    else:
+        # falcon1a: ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on Hopper)
+        # instead of a second [BT, BT] product accumulated in the value loop: with both, ptxas spilled ~260 B per
+        # thread at K = V = 128 (aot_check, sm_90)
+        o_s = tl.arange(0, BT)
+        tl.store(ds_buf + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_ds, mask=m_t[:, None])
+        tl.debug_barrier()
+        b_dst = tl.load(ds_buf + ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None], mask=m_t[None, :], other=0)
+    b_xf = b_x.to(tl.float32)
+    b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
+    b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
+    b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
+    b_dG -= tl.sum(b_xf * b_dx, 1)
+    b_dG += tl.where(o_t == last, b_end, 0.)
     if DELTA:
         tl.store(dx + p_tk, b_dx, mask=m_tk)
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
@@ -1651,9 +1663,14 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dx = torch.empty(B, T, HV, K, **f32) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None
     dw = torch.empty(B, T, HV, K, **f32) if delta else None
+    # falcon1a: the transposed intra-chunk product through a scratch buffer, and 32-wide value blocks (its value
+    # loop also forms the state path of dU): no register spills at K = V = 128 (255 regs and ~260 B of stack per
+    # thread before; aot_check, sm_90)
+    ds_buf = None if delta else torch.empty(B, T, HV, BT, **f32)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-        dk, dlast_k, dbeta, dlam, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=delta, **gates, **common)
+        dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=delta, **gates,
+        **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
             k, v, beta, lam, last_k, count, G, eta, A, torch.empty_like(A), dx, dG, dw, du, dv, dk, dlast_k,
