@@ -1000,6 +1000,37 @@ def _diag_blocks(b_S, b_X, b_G, b_Gf, m_tv, o_s, FWD: tl.constexpr, dt: tl.const
     else:
         return tl.where(m_tv, b_out * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
 
+
+@triton.jit
+def _intra_col(b_acc, b_S, b_X, b_G, G, bos, i_t, i_hv, last, o_s, m_t, m_v, o_v,
+               HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, FWD: tl.constexpr, dt: tl.constexpr):
+    """b_acc plus the in-chunk product sum_s S[r, s] exp(G_r - G_s) X_s with per-column decays (S, FWD as in
+    _diag_blocks): the blocks below the diagonal by sub-chunk, factored at the row before sub-chunk a (both
+    factors <= 1), and the diagonal blocks when _diag_span allows. Returns (the sum, whether the diagonal blocks
+    are in it); when they are not, the caller adds them one offset at a time."""
+    m_tv = m_t[:, None] & m_v[None, :]
+    for a in tl.static_range(1, BT // 16):
+        # reference row: the sub-chunk boundary clamped to the chunk's last real row, and only real rows
+        # in sub-chunk a: rows past T read G = 0, and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
+        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        m_a = ((o_s // 16) == a) & m_t
+        m_b = o_s < a * 16
+        if FWD:   # outputs t in sub-chunk a from inputs s before it
+            b_Sa = tl.where(m_a[:, None] & m_b[None, :], b_S, 0.)
+            b_in = tl.where(m_b[:, None], b_X * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+            b_out = tl.dot(b_Sa.to(dt), b_in.to(dt))
+            b_acc += tl.where(m_a[:, None], b_out * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+        else:     # input gradients s before sub-chunk a from output gradients t in it
+            b_Sa = tl.where(m_b[:, None] & m_a[None, :], b_S, 0.)
+            b_in = tl.where(m_a[:, None], b_X * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
+            b_out = tl.dot(b_Sa.to(dt), b_in.to(dt))
+            b_acc += tl.where(m_b[:, None], b_out * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
+    b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
+    fast = span <= DIAG_SPAN
+    if fast:
+        b_acc += _diag_blocks(b_S, b_X, b_G, b_Gf, m_tv, o_s, FWD, dt)
+    return b_acc, fast
+
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
@@ -1029,20 +1060,10 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
     b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * tl.load(eta + p_tv, mask=m_tv, other=0)
     b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)
     b_A = tl.dot(b_q, tl.trans(b_x))
-    for a in tl.static_range(1, BT // 16):
-        # reference row: the sub-chunk boundary clamped to the chunk's last real row, and only real rows
-        # in sub-chunk a: rows past T read G = 0, and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
-        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        m_a = ((o_s // 16) == a) & m_t
-        m_b = o_s < a * 16
-        b_Aa = tl.where(m_a[:, None] & m_b[None, :], b_A, 0.)
-        b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-        b_oa = tl.dot(b_Aa.to(b_q.dtype), b_ua.to(b_q.dtype))
-        b_o += tl.where(m_a[:, None], b_oa * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-    b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
-    if span <= DIAG_SPAN:
-        b_o += _diag_blocks(b_A, b_u, b_G, b_Gf, m_tv, o_s, True, b_q.dtype)
-    else:
+    # accumulated into b_o: a separate [BT, BV] sum made ptxas spill 16 B (aot_check, sm_90)
+    b_o, fast = _intra_col(b_o, b_A, b_u, b_G, G, bos, i_t, i_hv, last, o_s, m_t, m_v, o_v, HV, V, BT, True,
+                           b_q.dtype)
+    if not fast:
         for d in range(16):
             s_t = (o_s // 16) * 16 + d
             m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
@@ -1083,21 +1104,9 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     b_G = tl.load(G + p_tv, mask=m_tv, other=0)
     b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
     b_At = tl.dot(b_x, tl.trans(b_q))           # [s, t]
-    b_du = tl.zeros([BT, BV], dtype=tl.float32)
-    for a in tl.static_range(1, BT // 16):
-        # reference row: the sub-chunk boundary clamped to the chunk's last real row, and only real rows
-        # in sub-chunk a: rows past T read G = 0, and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
-        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        m_a = ((o_s // 16) == a) & m_t
-        m_b = o_s < a * 16
-        b_Aa = tl.where(m_b[:, None] & m_a[None, :], b_At, 0.)
-        b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-        b_dua = tl.dot(b_Aa.to(b_q.dtype), b_doa.to(b_q.dtype))
-        b_du += tl.where(m_b[:, None], b_dua * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-    b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
-    if span <= DIAG_SPAN:
-        b_du += _diag_blocks(b_At, b_do, b_G, b_Gf, m_tv, o_s, False, b_q.dtype)
-    else:
+    b_du, fast = _intra_col(tl.zeros([BT, BV], dtype=tl.float32), b_At, b_do, b_G, G, bos, i_t, i_hv, last, o_s,
+                            m_t, m_v, o_v, HV, V, BT, False, b_q.dtype)
+    if not fast:
         for d in range(16):
             t_s = (o_s // 16) * 16 + d
             m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
