@@ -478,3 +478,22 @@ def test_batch_stream_same_batches_in_order_and_errors():
     assert stream.get() == 0
     stream.close()
     assert not stream._thread.is_alive()
+
+
+def test_resume_keeps_only_runs_with_the_same_settings(tmp_path, capsys, restore_patches):
+    # --resume must not let a finished run of other settings (here: fewer steps) stand in for this one
+    from evals.addition.__main__ import main
+    out = tmp_path / 'r'
+    argv = ['--preset', 'tiny', '--device', 'cpu', '--models', 'transformer', '--seeds', '0', '--jobs', '1',
+            '--train-lengths', '1', '2', '--test-lengths', '3', '3', '--eval-samples', '2', '--out', str(out),
+            '--no-progress', '--resume']
+    assert main(argv + ['--steps', '2']) == 0
+    path = out / 'runs' / 'transformer-s0.json'
+    first = json.loads(path.read_text())
+    assert first['spec']['steps'] == 2 and first['spec']['train_max'] == 2
+    assert main(argv + ['--steps', '2']) == 0              # same settings: kept, not run again
+    assert json.loads(path.read_text()) == first
+    assert '1 already done' in capsys.readouterr().out
+    assert main(argv + ['--steps', '3']) == 0              # other settings: run again
+    assert 'other settings' in capsys.readouterr().out
+    assert json.loads(path.read_text())['spec']['steps'] == 3

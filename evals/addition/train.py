@@ -94,6 +94,17 @@ class BatchStream:
         self._thread.join(timeout=5)
 
 
+# what makes two runs of a (model, seed) the same experiment: `--resume` keeps a finished run only if these match
+# (not the device, threads, eval batch size or job layout, which do not change the numbers beyond float noise)
+RUN_SETTINGS = ('kernels', 'size', 'train_min', 'train_max', 'test_min', 'test_max', 'steps', 'batch_size', 'lr',
+                'warmup', 'weight_decay', 'eval_samples', 'curriculum', 'cuda_graph', 'tf32')
+
+
+def run_settings(spec: dict) -> dict:
+    """The settings of `spec` that define its experiment (RUN_SETTINGS), as stored in each run's JSON."""
+    return {k: spec.get(k) for k in RUN_SETTINGS}
+
+
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -172,7 +183,8 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     rank, world = _dist_rank_world()
     if spec['batch_size'] % world:
         raise ValueError(f"batch_size {spec['batch_size']} is not a multiple of the {world} data-parallel ranks")
-    record = dict(model=spec['model'], seed=spec['seed'], device=device, kernels=spec['kernels'], world_size=world)
+    record = dict(model=spec['model'], seed=spec['seed'], device=device, kernels=spec['kernels'], world_size=world,
+                  spec=run_settings(spec))
     if spec.get('threads'):
         torch.set_num_threads(int(spec['threads']))
     if str(device).startswith('cuda'):
