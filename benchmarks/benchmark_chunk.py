@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import fla_falcon  # noqa: F401  (before fla)
 import torch
@@ -149,7 +150,11 @@ def main(argv=None):
         for name, fn in cases.items():
             if args.ops and name not in args.ops:
                 continue
+            # the first call of an op compiles and autotunes its kernels (minutes on a fresh machine): say so in the log
+            t0 = time.perf_counter()
+            print(f"{spec:>22} {name:>24} compiling/autotuning and timing ...", flush=True)
             row['ms'][name] = {'fwd': bench(fn, leaves, False), 'fwd+bwd': bench(fn, leaves, True)}
+            print(f"{spec:>22} {name:>24} done in {time.perf_counter() - t0:.0f} s", flush=True)
             print(f"{spec:>22} {name:>24} fwd {row['ms'][name]['fwd']:8.3f} ms  "
                   f"fwd+bwd {row['ms'][name]['fwd+bwd']:8.3f} ms", flush=True)
             row['ratio'] = {rule: {m: row['ms'][rule][m] / row['ms'][base][m] for m in ('fwd', 'fwd+bwd')}
