@@ -14,6 +14,7 @@ Writes benchmarks/results/chunk.json and chunk.md.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -135,7 +136,12 @@ def main(argv=None):
     parser.add_argument('--profile', nargs='*', default=None, metavar='OP',
                         help='also write chunk_profile.md: per-kernel device time of forward+backward for these ops '
                              '(default when given bare: every op) at the first shape')
+    parser.add_argument('--watchdog', type=float, default=0, metavar='S',
+                        help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
+                             'long first call (compilation, autotuning) spends its time')
     args = parser.parse_args(argv)
+    if args.watchdog > 0:
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     if not torch.cuda.is_available():
         sys.exit('benchmark_chunk.py needs a CUDA GPU (the Triton kernels are timed on the device); none found.')
     lifted = lift_fla_guard()

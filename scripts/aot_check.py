@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 os.environ['TRITON_INTERPRET'] = '0'   # before fla_falcon: compile, do not interpret
@@ -92,9 +93,11 @@ def install(arch: int) -> None:
         key = (name, tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, str)))),
                tuple(a for a in args if isinstance(a, (bool, int))))
         try:
+            t0 = time.perf_counter()
             kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
             if hasattr(kernel, 'result'):
                 kernel = kernel.result()
+            rec['secs'] = time.perf_counter() - t0   # compile time (0 when Triton's cache has it)
             rec.update(_resources(kernel.asm['cubin']), ok=True)
             # Triton's shared memory is dynamic (cuobjdump's SHARED is the static part only)
             rec['shared'] = int(kernel.metadata.shared)
@@ -109,7 +112,7 @@ def install(arch: int) -> None:
             COMPILED.append(rec)
             status = 'ok' if rec['ok'] else 'FAILED ' + rec['error']
             print(f"  {name:28s} {str(cfg):60s} regs={rec.get('regs')} stack={rec.get('stack')} "
-                  f"smem={rec.get('shared')} {status}", flush=True)
+                  f"smem={rec.get('shared')} {rec.get('secs', 0):.1f}s {status}", flush=True)
         return None
 
     JITFunction.run = run
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
                 print(f"  (wrapper stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]})")
     bad = [r for r in COMPILED if not r['ok']]
     spills = [r for r in COMPILED if r['ok'] and r.get('stack')]
-    print(f"\n{len(COMPILED)} kernel configs compiled, {len(bad)} failed, {len(spills)} with local-memory stack (spills)")
+    print(f"\n{len(COMPILED)} kernel configs compiled in {sum(r.get('secs', 0) for r in COMPILED):.0f} s (single "
+          f"thread, Triton's cache cold or not), {len(bad)} failed, {len(spills)} with local-memory stack (spills)")
     for r in bad:
         print(f"FAILED {r['kernel']} {r['config']}: {r['error']}")
     return 1 if bad else 0
