@@ -253,8 +253,9 @@ def test_torch_gated_delta_rule_matches_fla_forward():
             assert _rel_err(ref, got) < 2e-3, op.__name__
 
 
+@pytest.mark.parametrize('solve', ['inverse', 'triangular'])
 @pytest.mark.parametrize('T, chunk_size', [(1, 32), (37, 16), (64, 32)])
-def test_chunked_torch_gated_delta_rule_matches_fla_recurrence(T, chunk_size):
+def test_chunked_torch_gated_delta_rule_matches_fla_recurrence(T, chunk_size, solve):
     # the GPU training route of GatedDeltaNet: chunked PyTorch against fla's token-by-token naive recurrence,
     # forward, final state and every gradient (initial state included), in fp64
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -285,7 +286,7 @@ def test_chunked_torch_gated_delta_rule_matches_fla_recurrence(T, chunk_size):
         assert _rel_err(o64.float(), o32) < 1e-5 and _rel_err(h64.float(), h32) < 1e-5
     ref = recurrence(*inputs)
     got = torch_path.chunk_gated_delta_rule_torch(*inputs[:5], scale=K ** -0.5, initial_state=inputs[5],
-                                                  output_final_state=True, chunk_size=chunk_size)
+                                                  output_final_state=True, chunk_size=chunk_size, solve=solve)
 
     def err64(a, b):
         return ((a - b).norm() / a.norm().clamp_min(1e-300)).item()
@@ -296,6 +297,26 @@ def test_chunked_torch_gated_delta_rule_matches_fla_recurrence(T, chunk_size):
     gg = torch.autograd.grad((got[0] * do).sum() + (got[1] * dh).sum(), inputs)
     for a, b in zip(gr, gg):
         assert err64(a, b) < 1e-10
+
+
+def test_unit_lower_inverse():
+    # the matmul-only inverse of the GatedDeltaNet route: value and gradient against a triangular solve (fp64),
+    # entries far from small (|L| up to 1, as beta * decay * k.k of unit keys can be)
+    torch.manual_seed(0)
+    for C in (1, 2, 16, 32):
+        L = (torch.rand(3, C, C, dtype=torch.float64) * 2 - 1).tril(-1)
+        IL = (L + torch.eye(C, dtype=torch.float64)).requires_grad_()
+        ref = torch.linalg.solve_triangular(IL, torch.eye(C, dtype=torch.float64).expand(3, C, C), upper=False,
+                                            unitriangular=True)
+        got = torch_path.unit_lower_inverse(IL)
+        assert torch.allclose(got, ref, rtol=1e-10, atol=1e-10)
+        dA = torch.randn_like(got)
+        g_ref, = torch.autograd.grad((ref * dA).sum(), IL)
+        g_got, = torch.autograd.grad((got * dA).sum(), IL)
+        # only the strictly lower part is a variable of the system (the solve ignores the rest)
+        assert torch.allclose(g_got, g_ref.tril(-1), rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match='power of two'):
+        torch_path.unit_lower_inverse(torch.eye(3))
 
 
 # ------------------------------------------------------------------------------------ models, training

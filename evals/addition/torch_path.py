@@ -90,15 +90,67 @@ def delta_rule_ref(q, k, v, beta, initial_state=None, output_final_state=False, 
     return o.transpose(1, 2).to(v.dtype), s
 
 
+class _UnitLowerInverse(torch.autograd.Function):
+    """(I + L)^-1 for strictly lower-triangular L ([..., C, C]), by matrix products only:
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4) ... (L is nilpotent, L^C = 0), log2(C) squarings and as many
+    products; backward: dL = -(A^T dA A^T) on the strictly lower part (A = the inverse). Batched cuBLAS
+    triangular solves of many small systems were the suspected cost of this route on the GPU (16 a step);
+    these are plain batched matmuls, run in full fp32 (TF32 off inside, whatever the caller enabled): the
+    squarings would compound TF32's rounding."""
+
+    @staticmethod
+    def forward(ctx, IL):
+        with _full_precision():
+            C = IL.shape[-1]
+            eye = torch.eye(C, device=IL.device, dtype=IL.dtype)
+            L = IL - eye
+            A = eye - L
+            P, n = L @ L, 2
+            while n < C:
+                A = A @ (eye + P)
+                P = P @ P
+                n *= 2
+        ctx.save_for_backward(A)
+        return A
+
+    @staticmethod
+    def backward(ctx, dA):
+        A, = ctx.saved_tensors
+        with _full_precision():
+            At = A.transpose(-1, -2)
+            dIL = -(At @ dA @ At)
+        return dIL.tril(-1)
+
+
+class _full_precision:
+    """Matmuls in full fp32 inside (TF32 off), restored on exit."""
+
+    def __enter__(self):
+        self.prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.prev
+
+
+def unit_lower_inverse(IL: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 of unit lower-triangular matrices IL [..., C, C] (C a power of two) by matmuls only."""
+    C = IL.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"unit_lower_inverse: the size must be a power of two, got {C}")
+    return _UnitLowerInverse.apply(IL)
+
+
 def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
-                                 chunk_size: int = 32):
+                                 chunk_size: int = 32, solve: str = 'inverse'):
     """fla's gated delta rule in PyTorch, chunk by chunk (exact; autograd gradients).
 
     The recurrence of fla's ``naive_recurrent_gated_delta_rule``: S <- exp(g_t) S, then
     u_t = beta_t (v_t - S^T k_t), S <- S + k_t u_t^T, o_t = scale S^T q_t. Inside a chunk starting at S0,
     with G the in-chunk cumulative log-decay, the u solve the unit lower-triangular system
     (I + L) U = diag(beta) V - diag(beta exp(G)) K S0 with L_ts = beta_t exp(G_t - G_s) k_t.k_s (s < t).
-    One triangular solve and a few batched matmuls per chunk replace C token steps: a GPU training step
+    One inverse of (I + L) (``solve='inverse'``: `unit_lower_inverse`, matmuls only; ``'triangular'``: two
+    batched triangular solves) and a few batched matmuls per chunk replace C token steps: a GPU training step
     launches ~C times fewer kernels than the token loop (fla's ``naive_chunk_gated_delta_rule`` inverts
     each chunk with a Python loop over its rows, which gives back most of that). q, k, v, g, beta: [B, T, H, ...]; fp64 stays fp64,
     anything else runs in fp32. Every exponent is G_t - G_s with s <= t (masked to -inf elsewhere).
@@ -123,8 +175,15 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state=None, ou
     # strictly lower part (D is already 0 above the diagonal)
     L = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * D).masked_fill(idx[:, None] == idx[None, :], 0.)
     IL = L + torch.eye(C, device=q.device, dtype=dt)
-    W = torch.linalg.solve_triangular(IL, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
-    U0 = torch.linalg.solve_triangular(IL, beta[..., None] * v, upper=False, unitriangular=True)
+    if solve == 'inverse':   # one explicit inverse by matmuls (unit_lower_inverse), then two products
+        Ainv = unit_lower_inverse(IL)
+        W = Ainv @ ((beta * G.exp())[..., None] * k)
+        U0 = Ainv @ (beta[..., None] * v)
+    elif solve == 'triangular':
+        W = torch.linalg.solve_triangular(IL, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+        U0 = torch.linalg.solve_triangular(IL, beta[..., None] * v, upper=False, unitriangular=True)
+    else:
+        raise ValueError(f"solve must be 'inverse' or 'triangular', got {solve!r}")
     QK = (q @ k.transpose(-1, -2)) * D
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
