@@ -117,7 +117,8 @@ def main(argv=None):
                 fr.FWD_CONFIG = cfg   # None: the kernel's default choice
                 t = bench(falcon_step)
                 ratio = {f"ratio_{k_.replace('_us', '')}": t[k_] / t_fla[k_] for k_ in t}
-                used = fr._fwd_config(D, D, W, True, decode=True)
+                # what the op launched (falcon3's small decode steps raise the register cap: _fwd_launch)
+                used = fr._fwd_launch(D, D, W, rule_info(rule)[0], True, True, B, H)
                 rows.append(dict(op='fused_recurrent_falcon', rule=rule, window=W, B=B, BV=used[0],
                                  num_warps=used[1], maxnreg=used[2], **t, **ratio))
                 print(f"B={B:3d} {rule:9s} W={W} BV={used[0]} warps={used[1]} maxnreg={used[2]}: "

@@ -780,6 +780,20 @@ def _fwd_config(K: int, V: int, W: int, use_initial_state: bool = True,
     return BV, num_warps, cap
 
 
+def _fwd_launch(K: int, V: int, W: int, regression: bool, use_initial_state: bool, decode: bool,
+                N: int, HV: int) -> tuple[int, int, int | None, bool]:
+    """(BV, num_warps, maxnreg, inline_e) of a forward launch over N sequences and HV value heads: `_fwd_config`,
+    and whether falcon3's lambda_max is computed inside the forward kernel (INLINE_E) with the register cap that
+    needs. A small decode step (a grid of about one wave, windows 2-4) does: one launch less counts more there
+    than each program repeating the 4 x 4 eigenproblem; otherwise lambda_max is computed once per (token, key
+    head) by falcon_window_energy_kernel before the recurrence."""
+    BV, num_warps, maxnreg = _fwd_config(K, V, W, use_initial_state, decode=decode)
+    inline_e = regression and 1 < W <= 4 and decode and N * HV * triton.cdiv(V, BV) <= INLINE_E_MAX_PROGRAMS
+    if inline_e and maxnreg is not None and FWD_CONFIG is None:
+        maxnreg = max(maxnreg, FWD_MAXNREG_INLINE_E)
+    return BV, num_warps, maxnreg, inline_e
+
+
 def _bwd_config(K: int, V: int, W: int) -> tuple[int, int]:
     if BWD_CONFIG is not None:
         return BWD_CONFIG
@@ -798,7 +812,7 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     W = window
     BK, BW = triton.next_power_of_2(K), triton.next_power_of_2(W)
-    BV, num_warps, maxnreg = _fwd_config(K, V, W, S0 is not None, decode=B * T <= N)
+    BV, num_warps, maxnreg, inline_e = _fwd_launch(K, V, W, regression, S0 is not None, B * T <= N, N, HV)
     o = torch.empty_like(v)
     if output_final_state:
         St = q.new_empty(N, HV, K, V, dtype=torch.float32)
@@ -809,13 +823,6 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
     else:
         St = lkt = txt = tvt = ct = None
     E = None
-    # a small decode step (at most one token per sequence, a grid of about one wave) of falcon3 with a window of
-    # 2-4 computes lambda_max inside the forward kernel (one launch instead of two); otherwise it is computed once
-    # per (token, key head) instead of once per value block, in falcon_window_energy_kernel
-    inline_e = (regression and 1 < W <= 4 and B * T <= N
-                and N * HV * triton.cdiv(V, BV) <= INLINE_E_MAX_PROGRAMS)
-    if inline_e and maxnreg is not None and FWD_CONFIG is None:
-        maxnreg = max(maxnreg, FWD_MAXNREG_INLINE_E)
     if regression and W > 1 and not inline_e:
         E = q.new_empty(max(B * T, 1), H, dtype=torch.float32)
     if E is not None and B * T > 0:
