@@ -317,6 +317,18 @@ def test_unit_lower_inverse():
         assert torch.allclose(g_got, g_ref.tril(-1), rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match='power of two'):
         torch_path.unit_lower_inverse(torch.eye(3))
+    # fp32, the hard case of a delta rule: 32 nearly identical keys with beta near 1 (L ~ 0.999 below the
+    # diagonal). The inverse itself is tame (entries <= 1) but the Neumann product's powers of L reach ~1e8
+    # and cancel (420% error); block substitution must stay at a triangular solve's accuracy
+    C = 32
+    k = torch.nn.functional.normalize(torch.randn(1, 16, dtype=torch.float64)
+                                      + 0.05 * torch.randn(C, 16, dtype=torch.float64), dim=-1)
+    for L in ((0.999 * torch.ones(C, C, dtype=torch.float64)).tril(-1),
+              ((0.5 + 0.5 * torch.rand(C, 1, dtype=torch.float64)) * (k @ k.T)).tril(-1)):
+        IL = (L + torch.eye(C, dtype=torch.float64)).float()
+        ref = torch.linalg.solve_triangular(IL.double(), torch.eye(C, dtype=torch.float64), upper=False,
+                                            unitriangular=True)
+        assert _rel_err(ref, torch_path.unit_lower_inverse(IL[None])[0].double()) < 1e-6
 
 
 # ------------------------------------------------------------------------------------ models, training
