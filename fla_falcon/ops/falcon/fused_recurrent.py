@@ -289,22 +289,33 @@ def _eig4(g00, g01, g02, g03, g11, g12, g13, g22, g23, g33, NSQ: tl.constexpr):
 
 
 @triton.jit
+def _rows_eig(x0, x1, x2, x3, W: tl.constexpr, NSQ: tl.constexpr):
+    """lambda_max and unit top eigenvector (u0..u3) of the Gram of a window's rows x0..x{W-1} (W = 2, 3 or 4;
+    rows past W are ignored: pass any tensor)."""
+    if W == 2:
+        lmax, u0, u1 = _eig2(tl.sum(x0 * x0, 0), tl.sum(x0 * x1, 0), tl.sum(x1 * x1, 0))
+        u2 = u1 * 0
+        u3 = u2
+    else:
+        g03, g13, g23, g33 = 0.0, 0.0, 0.0, 0.0
+        if W == 4:
+            g03, g13 = tl.sum(x0 * x3, 0), tl.sum(x1 * x3, 0)
+            g23, g33 = tl.sum(x2 * x3, 0), tl.sum(x3 * x3, 0)
+        lmax, u0, u1, u2, u3 = _eig4(tl.sum(x0 * x0, 0), tl.sum(x0 * x1, 0), tl.sum(x0 * x2, 0), g03,
+                                     tl.sum(x1 * x1, 0), tl.sum(x1 * x2, 0), g13, tl.sum(x2 * x2, 0), g23, g33, NSQ)
+    return lmax, u0, u1, u2, u3
+
+
+@triton.jit
 def _top_eig(X, o_w, W: tl.constexpr, NSQ: tl.constexpr):
     """lambda_max and unit top eigenvector ``u [BW]`` of the window Gram ``X X^T`` (rows of X are the
     pairs' x; missing pairs are zero rows)."""
-    if W == 2:
+    if W <= 4:
         x0 = _row(X, o_w, 0)
         x1 = _row(X, o_w, 1)
-        lmax, u0, u1 = _eig2(tl.sum(x0 * x0, 0), tl.sum(x0 * x1, 0), tl.sum(x1 * x1, 0))
-        u = tl.where(o_w == 0, u0, tl.where(o_w == 1, u1, 0.0))
-    elif W <= 4:
-        x0 = _row(X, o_w, 0)
-        x1 = _row(X, o_w, 1)
-        x2 = _row(X, o_w, 2)
-        x3 = _row(X, o_w, 3)
-        lmax, u0, u1, u2, u3 = _eig4(tl.sum(x0 * x0, 0), tl.sum(x0 * x1, 0), tl.sum(x0 * x2, 0), tl.sum(x0 * x3, 0),
-                                     tl.sum(x1 * x1, 0), tl.sum(x1 * x2, 0), tl.sum(x1 * x3, 0),
-                                     tl.sum(x2 * x2, 0), tl.sum(x2 * x3, 0), tl.sum(x3 * x3, 0), NSQ)
+        x2 = _row(X, o_w, 2) if W >= 3 else x0
+        x3 = _row(X, o_w, 3) if W == 4 else x0
+        lmax, u0, u1, u2, u3 = _rows_eig(x0, x1, x2, x3, W, NSQ)
         u = tl.where(o_w == 0, u0, tl.where(o_w == 1, u1, tl.where(o_w == 2, u2, tl.where(o_w == 3, u3, 0.0))))
     else:
         G = tl.sum(X[:, None, :] * X[None, :, :], 2)
@@ -501,16 +512,7 @@ def falcon_fused_recurrent_fwd_kernel(
             b_E = b_e
         elif REGRESSION and INLINE_E:
             # falcon3's lambda_max / B_t from the window rows in registers (missing pairs are zero rows)
-            if W == 2:
-                lmax, _, _ = _eig2(tl.sum(xs[0] * xs[0], 0), tl.sum(xs[0] * xs[1], 0), tl.sum(xs[1] * xs[1], 0))
-            else:
-                g03, g13, g23, g33 = 0.0, 0.0, 0.0, 0.0
-                if W == 4:
-                    g03, g13 = tl.sum(xs[0] * xs[3], 0), tl.sum(xs[1] * xs[3], 0)
-                    g23, g33 = tl.sum(xs[2] * xs[3], 0), tl.sum(xs[3] * xs[3], 0)
-                lmax, _, _, _, _ = _eig4(tl.sum(xs[0] * xs[0], 0), tl.sum(xs[0] * xs[1], 0), tl.sum(xs[0] * xs[2], 0),
-                                         g03, tl.sum(xs[1] * xs[1], 0), tl.sum(xs[1] * xs[2], 0), g13,
-                                         tl.sum(xs[2] * xs[2], 0), g23, g33, NSQ)
+            lmax, _, _, _, _ = _rows_eig(xs[0], xs[1], xs[2 % W], xs[3 % W], W, NSQ)
             b_E = lmax / tl.maximum(nb, 1.0)
         elif REGRESSION:
             # falcon3's lambda_max / B_t, once per (token, key head) by falcon_window_energy_kernel
