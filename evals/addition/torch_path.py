@@ -94,12 +94,14 @@ class _UnitLowerInverse(torch.autograd.Function):
     """(I + L)^-1 for strictly lower-triangular L ([..., C, C], C a power of two), by batched matmuls only:
     block forward substitution, bottom up: with the inverses X11, X22 of two neighbouring diagonal blocks of
     size b, the inverse of their 2b block is [[X11, 0], [-X22 A21 X11, X22]]; log2(C) levels, each one batch of
-    small products. Every intermediate is a block of the true inverse, so this is as stable as a triangular
-    solve; the Neumann product (I - L)(I + L^2)(I + L^4)... is not (with 32 nearly identical keys its powers of L
-    reach ~1e8 and cancel: 420% error in fp32, tests/test_addition.py). Backward: dL = -(A^T dA A^T) on the strictly lower part (A = the
-    inverse). Batched cuBLAS triangular solves of many small systems were the suspected cost of this route on
-    the GPU (16 a step); these are plain batched matmuls, run in full fp32 (TF32 off inside, whatever the caller
-    enabled)."""
+    small products. This is the scheme of fla's `solve_tril` kernel, kept in PyTorch here: that kernel has no
+    backward, and this route stays PyTorch end to end (checked in fp64 on the CPU). Every intermediate is a
+    block of the true inverse, so it is as stable as a triangular solve; the Neumann product
+    (I - L)(I + L^2)(I + L^4)... is not (with 32 nearly identical keys its powers of L reach ~1e8 and cancel:
+    420% error in fp32, tests/test_addition.py). Backward: dL = -(A^T dA A^T) on the strictly lower part
+    (A = the inverse). Batched cuBLAS triangular solves of many small systems are the suspected cost of this
+    route on the GPU (16 a step); these are plain batched matmuls, in full fp32 (TF32 off inside, whatever the
+    caller enabled)."""
 
     @staticmethod
     def forward(ctx, IL):
@@ -157,10 +159,11 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state=None, ou
     with G the in-chunk cumulative log-decay, the u solve the unit lower-triangular system
     (I + L) U = diag(beta) V - diag(beta exp(G)) K S0 with L_ts = beta_t exp(G_t - G_s) k_t.k_s (s < t).
     One inverse of (I + L) (``solve='inverse'``, the default on a GPU: `unit_lower_inverse`, matmuls only;
-    ``'triangular'``, the default on a CPU: two batched triangular solves) and a few batched matmuls per chunk replace C token steps: a GPU training step
-    launches ~C times fewer kernels than the token loop (fla's ``naive_chunk_gated_delta_rule`` inverts
-    each chunk with a Python loop over its rows, which gives back most of that). q, k, v, g, beta: [B, T, H, ...]; fp64 stays fp64,
-    anything else runs in fp32. Every exponent is G_t - G_s with s <= t (masked to -inf elsewhere).
+    ``'triangular'``, the default on a CPU: two batched triangular solves) and a few batched matmuls per
+    chunk replace C token steps: a GPU training step launches ~C times fewer kernels than the token loop
+    (fla's ``naive_chunk_gated_delta_rule`` inverts each chunk with a Python loop over its rows, which gives
+    back most of that). q, k, v, g, beta: [B, T, H, ...]; fp64 stays fp64, anything else runs in fp32.
+    Every exponent is G_t - G_s with s <= t (masked to -inf elsewhere).
     """
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, H, K = k.shape
