@@ -13,9 +13,11 @@ All are built through transformers' Auto classes (`AutoModelForCausalLM.from_con
 
 Kernel routes (`kernels`): 'fla' runs the Triton kernels (fla's and ours); 'torch' runs the recurrences
 (on CPU also fla's Triton convs, norms and activations) through the PyTorch stand-ins of
-:mod:`evals.addition.torch_path` (same functions, autograd gradients). 'auto': 'torch' on CPU (the interpreter is ~1000x slower), 'fla' on GPU except
-GatedDeltaNet when fla refuses its chunk backward (#640 guard, Hopper + Triton < 3.7.1; fla's
-fused_recurrent_gated_delta_rule has no backward): that one takes the torch reference recurrence.
+:mod:`evals.addition.torch_path` (same functions, autograd gradients). 'auto': 'torch' on CPU (the interpreter
+is ~1000x slower), 'fla' on GPU. Where fla refuses its gated chunk backward (#640 guard: Hopper + Triton < 3.7.1
+miscompiles one kernel, `chunk_bwd_dqkwg`), GatedDeltaNet and Mamba-2's SSD (fla's simple GLA) run fla's chunk
+kernels with that one kernel computed in PyTorch (`torch_path.chunk_bwd_dqkwg_torch`, tested against fla's
+kernel): route 'fla+dqkwg'. `--kernels torch` keeps the PyTorch recurrences on a GPU too.
 """
 
 from __future__ import annotations
@@ -50,23 +52,19 @@ def _gdn_backward_refused(device: str) -> bool:
 
 
 def resolve_route(name: str, kernels: str, device: str) -> str:
-    """'fla' or 'torch' for this model; raises Unavailable where no correct training route exists."""
+    """'fla', 'fla+dqkwg' (fla's kernels, `chunk_bwd_dqkwg` in PyTorch) or 'torch' for this model; raises
+    Unavailable where no correct training route exists."""
     if kernels not in KERNEL_ROUTES:
         raise ValueError(f"kernels must be one of {KERNEL_ROUTES}, got {kernels!r}")
     cpu = not str(device).startswith('cuda')
     if kernels == 'auto':
-        if cpu:
-            return 'torch'
-        return 'torch' if name == 'gdn' and _gdn_backward_refused(device) else 'fla'
-    if kernels == 'fla' and name == 'gdn':
-        if cpu:
-            raise Unavailable("unavailable: fla's chunk_gated_delta_rule fails under the Triton interpreter on CPU "
-                              "and fused_recurrent_gated_delta_rule has no backward; use --kernels torch/auto for "
-                              "the torch reference route")
-        if _gdn_backward_refused(device):
-            raise Unavailable("unavailable: fla #640 guard on Triton 3.6 (gated chunk backward refused on Hopper "
-                              "with Triton < 3.7.1; fused_recurrent_gated_delta_rule has no backward); "
-                              "use --kernels auto/torch for the torch reference route")
+        kernels = 'torch' if cpu else 'fla'
+    if kernels == 'fla' and name == 'gdn' and cpu:
+        raise Unavailable("unavailable: fla's chunk_gated_delta_rule fails under the Triton interpreter on CPU "
+                          "and fused_recurrent_gated_delta_rule has no backward; use --kernels torch/auto for "
+                          "the torch reference route")
+    if kernels == 'fla' and name in ('gdn', 'mamba2') and _gdn_backward_refused(device):
+        return 'fla+dqkwg'
     return kernels
 
 
@@ -80,12 +78,14 @@ def build_model(name: str, size: dict, *, device: str = 'cpu', kernels: str = 'a
 
     check_model_name(name)
     route = resolve_route(name, kernels, device)
+    if route == 'fla+dqkwg':
+        torch_path.enable(['dqkwg'])
     if route == 'torch':
         if str(device).startswith('cuda'):
             torch_path.enable([p for p in ('gdn', 'deltanet', 'falcon') if p == _family(name)])
         else:   # CPU: also fla's Triton convs and norms, and the Falcon / DeltaNet recurrences
             torch_path.enable(torch_path.PARTS)
-    fused = route == 'fla'
+    fused = route != 'torch'
     h, L, nh, inter = size['hidden'], size['layers'], size['heads'], size['intermediate']
     common = dict(vocab_size=tok.vocab_size, pad_token_id=tok.pad, bos_token_id=tok.bos, eos_token_id=tok.eos,
                   tie_word_embeddings=False, use_cache=False)
@@ -116,7 +116,8 @@ def build_model(name: str, size: dict, *, device: str = 'cpu', kernels: str = 'a
         config = fcfg.to_gated_deltanet_config() if name == 'gdn' else fcfg
     model = AutoModelForCausalLM.from_config(config).to(device)
     if name == 'mamba2':
-        torch_path.use_chunked_ssd(model)   # fla's torch_forward materializes huge products (torch_path)
+        # fla's torch_forward materializes huge products (torch_path); the SSD as simple GLA instead
+        torch_path.use_chunked_ssd(model, kernel='torch' if route == 'torch' else 'fla')
     info = dict(name=name, route=route, model_class=type(model).__name__, model_type=config.model_type,
                 params=sum(p.numel() for p in model.parameters()), config=config.to_dict())
     return model, info

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 PARTS = ('conv', 'norm', 'falcon', 'deltanet', 'gdn')
+# not among the CPU route's PARTS: fla's chunk kernels with their one refused kernel in PyTorch (GPU only)
+EXTRA_PARTS = ('dqkwg',)
 _enabled: set = set()
 _saved: list = []   # (object, attribute, original value), in patching order
 
@@ -260,14 +262,99 @@ def naive_falcon_batched(q, k, v, beta, lam=None, *, initial_state=None, output_
     return o.reshape(T, B, HV, -1).transpose(0, 1), None
 
 
-def mamba2_ssd_forward(self, input_states, last_state=None, use_cache=False, attention_mask=None, *, _orig):
+def chunk_bwd_dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
+                          state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """fla 0.6.0's `fla.ops.common.chunk_o.chunk_bwd_dqkwg` (same arguments and results) in PyTorch, for the
+    gated case (`g`, cumulative log2-decay per chunk) that fla refuses on Hopper with Triton < 3.7.1 (#640: that
+    Triton miscompiles the kernel there). Every other kernel of fla's chunk backward is fla's own; this one is a
+    few batched matmuls over all chunks at once, in fp32 (the kernel multiplies ds in the input dtype).
+
+    Per chunk (rows i, j of the chunk; h, dh the chunk's start state and its gradient, [K, V]):
+      dq = scale * (exp2(g) * do h^T + ds k),   dk = exp2(g_last - g) * v dh^T + ds^T q,
+      ds_ij = scale * [i >= j] exp2(g_i - g_j) do_i . v_j,   dw = -dv h^T,
+      dg = rowsum(dq q) - rowsum(dk k), plus exp2(g_last) sum(h dh) + sum(dk k) on the chunk's last row.
+    No data-dependent shapes or host syncs, so it can be captured in a CUDA graph."""
+    if g is None or g_gamma is not None:
+        raise NotImplementedError("chunk_bwd_dqkwg_torch covers the per-token gated case (g) only")
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[-1]
+    BT, dev, f32 = chunk_size, k.device, torch.float32
+    # every chunk's first token and end (flat token index), in the order of h / dh (fla's chunk order)
+    if cu_seqlens is None:
+        NT = -(-T // BT)
+        c = torch.arange(B * NT, device=dev)
+        start, end = (c // NT) * T + (c % NT) * BT, (c // NT + 1) * T
+    else:
+        if chunk_indices is None:
+            from fla.ops.utils import prepare_chunk_indices
+            chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
+        ci = chunk_indices.long()
+        start, end = cu_seqlens[ci[:, 0]].long() + ci[:, 1] * BT, cu_seqlens[ci[:, 0] + 1].long()
+    NC = start.shape[0]
+    idx = start[:, None] + torch.arange(BT, device=dev)                    # [NC, BT]
+    valid = idx < end[:, None]
+    safe = torch.where(valid, idx, 0)
+    head = torch.arange(HV, device=dev) // (HV // H)                        # value head -> query/key head
+
+    def rows(x, heads=None):   # [B, T, h, D] -> [NC, HV, BT, D] fp32, zero outside the sequence
+        x = x.reshape(B * T, x.shape[2], -1)
+        if heads is not None:
+            x = x[:, heads]
+        return (x[safe] * valid[..., None, None]).to(f32).transpose(1, 2)
+    qq, kk = rows(q, head), rows(k, head)
+    vv, dov = rows(v), rows(do)
+    hh, dhh = (t.reshape(NC, HV, *t.shape[-2:]).to(f32) for t in (h, dh))
+    if state_v_first:
+        hh, dhh = hh.transpose(-1, -2), dhh.transpose(-1, -2)              # -> [NC, HV, K, V]
+    gf = g.reshape(B * T, HV).to(f32)
+    gg = (gf[safe] * valid[..., None]).transpose(1, 2)                      # [NC, HV, BT]
+    last = torch.minimum(start + BT, end) - 1
+    g_last = gf[last][..., None]                                            # [NC, HV, 1]
+    vrow = valid[:, None, :]
+    dg_last = (hh * dhh).sum((-2, -1)) * torch.exp2(g_last[..., 0])
+    dq = (dov @ hh.transpose(-1, -2)) * torch.exp2(gg)[..., None] * scale
+    dk = (vv @ dhh.transpose(-1, -2)) * torch.where(vrow, torch.exp2(g_last - gg), 0)[..., None]
+    dg_last = dg_last + (dk * kk).sum((-2, -1))
+    causal = torch.ones(BT, BT, dtype=torch.bool, device=dev).tril()
+    m = causal & vrow[..., :, None] & vrow[..., None, :]
+    ds = (dov @ vv.transpose(-1, -2)) * torch.exp2(torch.where(m, gg[..., :, None] - gg[..., None, :], float('-inf')))
+    ds = ds * scale
+    dq = dq + ds @ kk
+    dk = dk + ds.transpose(-1, -2) @ qq
+    dg = (dq * qq).sum(-1) - (dk * kk).sum(-1)
+    is_last = torch.arange(BT, device=dev) == (last - start)[:, None]      # [NC, BT]
+    dg = dg + is_last[:, None, :] * dg_last[..., None]
+
+    def scatter(x, like, width):   # [NC, HV, BT, D] -> [B, T, HV, D]; padding rows go to a spare row
+        out = x.new_zeros(B * T + 1, HV, width)
+        out.index_copy_(0, torch.where(valid, idx, B * T).flatten(), x.transpose(1, 2).reshape(NC * BT, HV, width))
+        return out[:-1].reshape(B, T, HV, width).to(like.dtype)
+    dq, dk = scatter(dq, q, K), scatter(dk, k, K)
+    dw = scatter(-(rows(dv) @ hh.transpose(-1, -2)), w, K) if w is not None else None
+    dg = scatter(dg[..., None], gf, 1)[..., 0]
+    if H != HV:
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq, dk, dw, dg
+
+
+def _dqkwg(*args, _orig, **kwargs):
+    if args or kwargs.get('g') is None or kwargs.get('g_gamma') is not None:
+        return _orig(*args, **kwargs)
+    return chunk_bwd_dqkwg_torch(**kwargs)
+
+
+def mamba2_ssd_forward(self, input_states, last_state=None, use_cache=False, attention_mask=None, *, _orig,
+                       kernel='torch'):
     """fla's `Mamba2.torch_forward` for training (no cache, no mask, no decoding step) with the SSD done
     by fla's chunked PyTorch simple GLA (`naive_chunk_simple_gla`, matmuls per chunk): Mamba-2's SSD is
     simple GLA with q = C, k = B, v = dt x, g = A dt and scale 1. fla's own version (transformers' "naive
     implementation without einsums") materializes [batch, chunks, L, L, heads, 64]-sized broadcast
     products: ~2 GB per layer at the paper preset's shape (B = 128, L = 64), 1.5-2.3 s a step on an H200.
     Same function, same parameters (tests/test_addition.py checks outputs and gradients against fla's);
-    anything else goes to fla's."""
+    anything else goes to fla's. ``kernel='fla'``: fla's Triton `chunk_simple_gla` instead (GPU; where fla
+    refuses its gated backward, enable the 'dqkwg' part)."""
+    from fla.ops.simple_gla import chunk_simple_gla
     from fla.ops.simple_gla.naive import naive_chunk_simple_gla
     if last_state is not None or use_cache or attention_mask is not None:
         return _orig(input_states, last_state=last_state, use_cache=use_cache, attention_mask=attention_mask)
@@ -285,21 +372,27 @@ def mamba2_ssd_forward(self, input_states, last_state=None, use_cache=False, att
     # head h reads group h % G (fla's `repeat`)
     B = B.reshape(bsz, T, G, N).float().repeat(1, 1, H // G, 1)
     C = C.reshape(bsz, T, G, N).float().repeat(1, 1, H // G, 1)
-    y, state = naive_chunk_simple_gla(C, B, x * dt[..., None], A * dt, output_final_state=True,
-                                      chunk_size=self.chunk_size, scale=1.0)
+    if kernel == 'fla':   # fla's kernel picks its own chunk size (64)
+        y, state = chunk_simple_gla(C, B, x * dt[..., None], A * dt, scale=1.0, output_final_state=True)
+    else:
+        y, state = naive_chunk_simple_gla(C, B, x * dt[..., None], A * dt, output_final_state=True,
+                                          chunk_size=self.chunk_size, scale=1.0)
     y = (y + x * self._get_D(expand_to_head_dim=True)).reshape(bsz, T, -1)
     out = self.norm(y, gate) if self.rmsnorm else y * self.act(gate)
     # fla's SSM state is [b, H, head_dim, state]; simple GLA's [b, H, K = state, V = head_dim]
     return self.out_proj(out.to(dtype)), None, state.transpose(-1, -2)
 
 
-def use_chunked_ssd(model) -> int:
-    """Routes every fla Mamba2 mixer of `model` through `mamba2_ssd_forward`; returns how many."""
+def use_chunked_ssd(model, kernel: str = 'torch') -> int:
+    """Routes every fla Mamba2 mixer of `model` through `mamba2_ssd_forward` (its SSD by `kernel`: 'torch', fla's
+    chunked PyTorch simple GLA, or 'fla', fla's Triton one); returns how many."""
+    if kernel not in ('torch', 'fla'):
+        raise ValueError(f"kernel must be 'torch' or 'fla', got {kernel!r}")
     from fla.layers.mamba2 import Mamba2
     n = 0
     for m in model.modules():
         if isinstance(m, Mamba2):
-            m.torch_forward = functools.partial(mamba2_ssd_forward, m, _orig=m.torch_forward)
+            m.torch_forward = functools.partial(mamba2_ssd_forward, m, _orig=m.torch_forward, kernel=kernel)
             n += 1
     return n
 
@@ -316,8 +409,8 @@ def enable(parts=PARTS) -> set:
     import fla_falcon.layers.falcon_net as falcon_layer
 
     for part in parts:
-        if part not in PARTS:
-            raise ValueError(f"parts: unknown part {part!r}, expected some of {PARTS}")
+        if part not in PARTS + EXTRA_PARTS:
+            raise ValueError(f"parts: unknown part {part!r}, expected some of {PARTS + EXTRA_PARTS}")
         if part in _enabled:
             continue
         if part == 'conv':
@@ -373,5 +466,12 @@ def enable(parts=PARTS) -> set:
         elif part == 'gdn':
             _set(fla_gdn, 'chunk_gated_delta_rule', gated_delta_rule_ref)
             _set(fla_gdn, 'fused_recurrent_gated_delta_rule', gated_delta_rule_ref)
+        elif part == 'dqkwg':
+            # fla's gated chunk backward (GatedDeltaNet, simple GLA) with chunk_bwd_dqkwg in PyTorch, where fla
+            # refuses the Triton kernel (#640); the modules look the function up at call time
+            import fla.ops.gated_delta_rule.chunk as fla_gdn_chunk
+            import fla.ops.simple_gla.chunk as fla_sgla_chunk
+            for mod in (fla_gdn_chunk, fla_sgla_chunk):
+                _set(mod, 'chunk_bwd_dqkwg', functools.partial(_dqkwg, _orig=mod.chunk_bwd_dqkwg))
         _enabled.add(part)
     return set(_enabled)
