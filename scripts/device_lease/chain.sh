@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What a lease runs (started once by step.sh, in /tmp/br, a copy of the repo; logs and results in /tmp/L).
+# Settings (environment, or scripts/device_lease/lease.env beside this file):
+#   TESTS     pytest arguments run first on cores 0-3 (4 workers); empty: none
+#   PROFILE   addition models whose training step is profiled by kernel (profile_step.py), after TESTS
+#   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores 4-15
+#   JOBS      paper runs in flight (4)
+#   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
+#   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
+set -x
+L=/tmp/L
+cd "$(dirname "$0")/../.."
+[ -f scripts/device_lease/lease.env ] && . scripts/device_lease/lease.env
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+stage() { echo "$(date +%T) $*" >> $L/stage; }
+if [ -d .tcache ] && ls .tcache/tc.tar.xz.* >/dev/null 2>&1; then   # a Triton cache carried from an earlier lease
+    mkdir -p ~/.triton/cache && cat .tcache/tc.tar.xz.* | xz -d | tar xf - -C ~/.triton/cache && stage "cache restored"
+fi
+(
+  if [ -n "${TESTS:-}" ]; then
+      stage "tests"
+      eval "taskset -c 0-3 env PYTEST_WORKERS=4 bash scripts/gpu_tests.sh $L/tests.log $TESTS" > $L/tests.summary 2>&1
+  fi
+  if [ -n "${PROFILE:-}" ]; then
+      stage "profile"
+      taskset -c 0-3 python3 scripts/device_lease/profile_step.py $PROFILE > $L/profile.log 2>&1
+  fi
+) &
+if [ -n "${MODELS:-}" ]; then
+    stage "paper"
+    mkdir -p $L/paper/runs
+    [ -n "${RESUME:-}" ] && cp "$RESUME"/*.json $L/paper/runs/ 2>/dev/null
+    taskset -c 4-15 python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-4} --threads 2 \
+        --resume --no-progress --out $L/paper > $L/paper.log 2>&1
+fi
+wait
+if [ -n "${BENCH:-}" ]; then
+    stage "bench"
+    python3 benchmarks/benchmark_chunk.py $BENCH --out $L/bench > $L/bench.log 2>&1
+fi
+stage "done"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call of the team's time-limited GPU machine (the `device` tool: one command of at most 10 minutes at
+# a time; the machine stays warm ~30 s between calls). The first call installs the carried fla wheels
+# (scripts/device_setup.sh), copies the repo to /tmp/br and starts chain.sh there in its own session, so
+# the work outlives the call; every call then waits SECONDS, prints progress and packs what is done into
+# $OUT/results.tgz. `final` also packs Triton's cache (tc.tar.xz.NN, 15 MiB parts) for a later machine.
+#   run: bash scripts/device_lease/step.sh 540            (carry: .whl; settings for chain.sh in lease.env)
+#        bash scripts/device_lease/step.sh 300 final
+S=${1:-540}; FINAL=${2:-}
+L=/tmp/L; mkdir -p $L
+if [ ! -f $L/started ]; then
+    touch $L/started
+    . scripts/device_setup.sh || exit 1
+    rm -rf /tmp/br && cp -r "$PWD" /tmp/br
+    setsid bash /tmp/br/scripts/device_lease/chain.sh > $L/chain.log 2>&1 < /dev/null &
+fi
+end=$((SECONDS + S))
+while [ $SECONDS -lt $end ]; do
+    sleep 60
+    echo "--- $(date +%T) $(ls $L/paper/runs 2>/dev/null | grep -vc spec) runs done;" \
+         "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader); $(tail -n 1 $L/stage 2>/dev/null)"
+done
+echo "=== chain.log"; grep -v "^+ export\|^+ PYTHON\|^+ TRITON" $L/chain.log | tail -n 25
+for f in $L/tests*.summary; do [ -f "$f" ] && { echo "=== $f"; tail -n 8 "$f"; }; done
+echo "=== profile"; grep -E "^==|ms " $L/profile.log 2>/dev/null | head -n 60
+echo "=== paper"; grep -E "ok,|SKIPPED|failed|Error" $L/paper.log 2>/dev/null | cut -c1-200 | tail -n 30
+echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
+cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
+    chain.log stage tests* profile.log paper.log paper bench.log bench 2>/dev/null
+if [ "$FINAL" = final ]; then
+    C=$HOME/.triton/cache
+    tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
+    if [ $(stat -c %s /tmp/tc.tar.xz) -gt $((4 * 15 * 1024 * 1024)) ]; then   # only the autotune results
+        (cd $C && find . -name '*.autotune.json' | tar cf - -T -) | xz -T0 -1 > /tmp/tc.tar.xz
+    fi
+    split -b 15M -d /tmp/tc.tar.xz $OUT/tc.tar.xz.
+    ls -la $OUT
+fi
