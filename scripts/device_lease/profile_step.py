@@ -20,13 +20,16 @@ p.add_argument('--batch', type=int, default=128)
 p.add_argument('--digits', type=int, default=32, help='operand digits of every example (the padded length)')
 p.add_argument('--steps', type=int, default=5)
 p.add_argument('--top', type=int, default=15)
+p.add_argument('--device', default='cuda', help='cuda (cpu: a smoke test of this script, torch routes)')
 a = p.parse_args()
 torch.backends.cuda.matmul.allow_tf32 = True
 size = dict(hidden=256, layers=4, heads=4, intermediate=768, mamba_chunk=64, max_len=256)
 gen = torch.Generator().manual_seed(0)
-batch = make_batch([a.digits] * a.batch, gen).to('cuda')
+batch = make_batch([a.digits] * a.batch, gen).to(a.device)
+cuda = a.device.startswith('cuda')
+sync = torch.cuda.synchronize if cuda else (lambda: None)
 for name in a.models:
-    model, info = build_model(name, size, device='cuda', kernels='auto')
+    model, info = build_model(name, size, device=a.device, kernels='auto')
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step():
@@ -36,21 +39,22 @@ for name in a.models:
         opt.zero_grad(set_to_none=True)
     for _ in range(3):   # compile, autotune
         step()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(a.steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     wall = (time.perf_counter() - t) / a.steps * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             step()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        sync()
+    ev = [e for e in prof.key_averages() if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)]
     total = sum(e.self_device_time_total for e in ev) / a.steps / 1e3
     print(f"\n== {name} (route {info['route']}): eager step {wall:.2f} ms wall, {total:.2f} ms of kernels, "
           f"{sum(e.count for e in ev) // a.steps} kernels a step")
     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"  {e.self_device_time_total / a.steps / 1e3:7.3f} ms  x{e.count // a.steps:<4d} {e.key[:100]}")
     del model, opt
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
