@@ -24,7 +24,7 @@ PRESETS = {
     # H200 steps in ~6.5 ms, so ~2.2 min of training
     'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
                   train_max=32, test_min=33, test_max=48, steps=20000, batch_size=128, lr=2e-3, warmup=200,
-                  weight_decay=0.1, eval_samples=1000, eval_batch_size=250, jobs_per_gpu=4, threads=2,
+                  weight_decay=0.1, eval_samples=1000, eval_batch_size=250, jobs_per_gpu=2, threads=2,
                   mamba_chunk=64, curriculum=0.25, cuda_graph=True, tf32=True),
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "skipped); torch: PyTorch reference path everywhere")
     p.add_argument('--jobs', type=int, default=None,
                    help="runs in flight at once, each its own process; on GPUs spread round-robin over the visible "
-                        "GPUs, several per GPU (preset: tiny 2; paper 4 per visible GPU); 1 runs in this process")
+                        "GPUs, several per GPU (preset: tiny 2; paper 2 per visible GPU); 1 runs in this process")
     p.add_argument('--threads', type=int, default=None, help="torch CPU threads per run")
     p.add_argument('--out', default=None, help="results folder (default results/addition/<preset>)")
     p.add_argument('--resume', action='store_true', help="keep finished runs found in <out>/runs")
