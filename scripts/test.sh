@@ -4,5 +4,6 @@
 # `import fla_falcon`); on a GPU machine the same command runs them compiled.
 set -euo pipefail
 EXTRAS="[test]" . "$(dirname "$0")/_venv.sh"
-# pytest's exit code 5 ("no tests ran") is a failure too: set -e passes it on
-python -m pytest -q tests "$@"
+# one pytest worker per CPU core (pytest-xdist; PYTEST_WORKERS=0 runs in this process): the interpreted
+# kernels are single-threaded. pytest's exit code 5 ("no tests ran") is a failure too: set -e passes it on
+python -m pytest -q -n "${PYTEST_WORKERS:-auto}" tests "$@"

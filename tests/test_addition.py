@@ -455,8 +455,10 @@ def test_torchrun_data_parallel_on_cpu(tmp_path):
     assert run['status'] == 'ok' and run['world_size'] == 2 and set(run['accuracy']) == {str(n) for n in range(1, 7)}
 
 
-@pytest.mark.parametrize('kernel', ['torch', pytest.param('fla', marks=pytest.mark.gpu)])
-@pytest.mark.parametrize('T,chunk,groups', [(37, 16, 1), (16, 16, 2), (5, 8, 1), (150, 64, 1)])
+@pytest.mark.parametrize('T,chunk,groups,kernel', [
+    (37, 16, 1, 'torch'), (16, 16, 2, 'torch'), (5, 8, 1, 'torch'),
+    # fla's Triton SSD (chunk 64): several chunks, the last one partial
+    pytest.param(150, 64, 1, 'fla', marks=pytest.mark.gpu), pytest.param(37, 16, 2, 'fla', marks=pytest.mark.gpu)])
 def test_mamba2_chunked_ssd_matches_fla(T, chunk, groups, kernel, restore_patches):
     """The chunked SSD (evals/addition/torch_path.py) against fla's Mamba2.torch_forward: output, final SSM
     state and every parameter's and the input's gradient, lengths that are and are not chunk multiples."""
