@@ -535,13 +535,15 @@ def test_graphed_step_padding_keeps_the_loss(restore_patches):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_training_matches_eager(tmp_path):
-    """The paper preset's CUDA-graph steps give the losses of eager steps (same seed, same batches)."""
+@pytest.mark.parametrize('model', ['falcon1a', 'gdn', 'mamba2'])
+def test_cuda_graph_training_matches_eager(tmp_path, model):
+    """The paper preset's CUDA-graph steps give the losses of eager steps (same seed, same batches); GatedDeltaNet
+    and Mamba-2 on their GPU route (fla's kernels, `chunk_bwd_dqkwg` in PyTorch where fla refuses it)."""
     from evals.addition.train import run
     size = dict(hidden=32, layers=1, heads=2, intermediate=64)
     recs = []
     for graph in (False, True):
-        spec = dict(model='falcon1a', seed=0, device='cuda', kernels='auto', size=size, train_min=1, train_max=4,
+        spec = dict(model=model, seed=0, device='cuda', kernels='auto', size=size, train_min=1, train_max=4,
                     test_min=5, test_max=5, steps=8, batch_size=8, lr=1e-3, warmup=2, weight_decay=0.1,
                     eval_samples=8, eval_batch_size=8, cuda_graph=graph)
         recs.append(run(spec, progress=False))
