@@ -4,6 +4,7 @@ evals.addition.torch_path against what they replace, one training step of a tiny
 data-parallel run under torchrun."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -438,6 +439,28 @@ def test_one_training_step_tiny_falcon(restore_patches):
     rec = run(spec, progress=False)
     assert rec['status'] == 'ok', rec.get('reason')
     assert set(rec['accuracy']) == {'1', '2', '3'} and rec['config']['shift'] is False
+    assert rec['bf16'] is False and rec['spec']['bf16'] is None
+
+
+@pytest.mark.parametrize('model', ['falcon1a', 'transformer'])
+def test_bf16_autocast_run(model, restore_patches):
+    # --bf16: the forward pass and loss under bf16 autocast, fp32 weights and optimizer; the run records it
+    from evals.addition.train import autocast, run
+    size = dict(hidden=16, layers=1, heads=2, intermediate=32)
+    spec = dict(model=model, seed=0, device=DEVICE, kernels='auto', size=size, train_min=1, train_max=2,
+                test_min=3, test_max=3, steps=3, batch_size=4, lr=1e-3, warmup=1, weight_decay=0.0,
+                eval_samples=3, eval_batch_size=3, bf16=True)
+    rec = run(spec, progress=False)
+    assert rec['status'] == 'ok', rec.get('reason')
+    assert rec['bf16'] is True and rec['spec']['bf16'] is True and math.isfinite(rec['final_loss'])
+    torch_path.disable()
+    model_, _ = build_model(model, size, device=DEVICE, kernels='torch' if DEVICE == 'cpu' else 'auto')
+    b = train_batch(4, 1, 2, torch.Generator().manual_seed(0)).to(DEVICE)
+    with autocast(DEVICE, True):
+        logits = model_(input_ids=b.input_ids, use_cache=False).logits
+    assert logits.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in model_.parameters())
+    with autocast(DEVICE, False):
+        assert model_(input_ids=b.input_ids, use_cache=False).logits.dtype == torch.float32
 
 
 def test_torchrun_data_parallel_on_cpu(tmp_path):
@@ -535,8 +558,9 @@ def test_graphed_step_padding_keeps_the_loss(restore_patches):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('model', ['falcon1a', 'gdn', 'mamba2'])
-def test_cuda_graph_training_matches_eager(tmp_path, model):
+@pytest.mark.parametrize('model,bf16', [('falcon1a', False), ('gdn', False), ('mamba2', False), ('falcon1a', True),
+                                        ('transformer', True), ('gdn', True)])
+def test_cuda_graph_training_matches_eager(tmp_path, model, bf16):
     """The paper preset's CUDA-graph steps give the losses of eager steps (same seed, same batches); GatedDeltaNet
     and Mamba-2 on their GPU route (fla's kernels, `chunk_bwd_dqkwg` in PyTorch where fla refuses it)."""
     from evals.addition.train import run
@@ -545,7 +569,7 @@ def test_cuda_graph_training_matches_eager(tmp_path, model):
     for graph in (False, True):
         spec = dict(model=model, seed=0, device='cuda', kernels='auto', size=size, train_min=1, train_max=4,
                     test_min=5, test_max=5, steps=8, batch_size=8, lr=1e-3, warmup=2, weight_decay=0.1,
-                    eval_samples=8, eval_batch_size=8, cuda_graph=graph)
+                    eval_samples=8, eval_batch_size=8, cuda_graph=graph, bf16=bf16)
         recs.append(run(spec, progress=False))
     assert recs[0]['status'] == recs[1]['status'] == 'ok'
     assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', recs[1]['step_mode']

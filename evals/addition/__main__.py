@@ -16,7 +16,7 @@ PRESETS = {
     'tiny': dict(device='cpu', seeds=[0], hidden=64, layers=2, heads=2, intermediate=192, train_min=1, train_max=3,
                  test_min=4, test_max=6, steps=1000, batch_size=64, lr=3e-3, warmup=50, weight_decay=0.01,
                  eval_samples=200, eval_batch_size=200, jobs=2, threads=1, mamba_chunk=16, curriculum=0.0,
-                 cuda_graph=False, tf32=False),
+                 cuda_graph=False, tf32=False, bf16=False),
     # the paper's protocol (SPEC section 6): train on 1-32 digit operands, test on 33-48; GPU. The paper does
     # not state its schedule; ours is a guess. 10000 steps with the curriculum over the first half (attempt 7,
     # docs/addition_attempts.md) left most runs exact only up to 5-10 digits, loss still 1.0-1.5: the same
@@ -25,7 +25,7 @@ PRESETS = {
     'paper': dict(device='cuda', seeds=[0, 1, 2], hidden=256, layers=4, heads=4, intermediate=768, train_min=1,
                   train_max=32, test_min=33, test_max=48, steps=20000, batch_size=128, lr=2e-3, warmup=200,
                   weight_decay=0.1, eval_samples=1000, eval_batch_size=250, jobs_per_gpu=2, threads=2,
-                  mamba_chunk=64, curriculum=0.25, cuda_graph=True, tf32=True),
+                  mamba_chunk=64, curriculum=0.25, cuda_graph=True, tf32=True, bf16=False),
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
                   'gdn', 'deltanet', 'mamba2', 'transformer')
@@ -68,14 +68,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--tf32', action=argparse.BooleanOptionalAction, default=None,
                    help="PyTorch's fp32 matmuls on a GPU in TF32 (tensor cores; Triton's fp32 tl.dot already is), "
                         "for every model alike (preset: tiny off, paper on)")
+    p.add_argument('--bf16', action=argparse.BooleanOptionalAction, default=None,
+                   help="forward pass and loss under bf16 autocast (weights, gradients and AdamW stay fp32), for "
+                        "every model alike (preset: off)")
     p.add_argument('--eval-samples', type=int, default=None, help="test examples per operand length")
     p.add_argument('--eval-batch-size', type=int, default=None,
                    help="test examples per forward pass (lower it when several runs share a GPU's memory)")
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1 ... (preset: tiny cpu, paper cuda)")
     p.add_argument('--kernels', choices=['auto', 'fla', 'torch'], default='auto',
-                   help="auto: PyTorch reference path on CPU, Triton kernels on GPU (GatedDeltaNet via the torch "
-                        "reference where fla refuses its backward); fla: Triton kernels only (unavailable models are "
-                        "skipped); torch: PyTorch reference path everywhere")
+                   help="auto: PyTorch reference path on CPU, Triton kernels on GPU (where fla refuses its gated "
+                        "chunk backward, GatedDeltaNet and Mamba-2 run fla's kernels with that one kernel in PyTorch: "
+                        "route fla+dqkwg); fla: the same, Triton kernels only (unavailable models are skipped); "
+                        "torch: PyTorch reference path everywhere")
     p.add_argument('--jobs', type=int, default=None,
                    help="runs in flight at once, each its own process; on GPUs spread round-robin over the visible "
                         "GPUs, several per GPU (preset: tiny 2; paper 2 per visible GPU); 1 runs in this process")
@@ -92,7 +96,7 @@ def build_specs(args) -> tuple[list[dict], dict]:
     from evals.addition.models import check_model_name
     cfg = dict(PRESETS[args.preset])
     for key in ('seeds', 'steps', 'batch_size', 'lr', 'hidden', 'layers', 'heads', 'eval_samples', 'eval_batch_size',
-                'device', 'jobs', 'threads', 'curriculum', 'cuda_graph', 'tf32'):
+                'device', 'jobs', 'threads', 'curriculum', 'cuda_graph', 'tf32', 'bf16'):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.hidden is not None and args.preset in PRESETS:
@@ -117,7 +121,7 @@ def build_specs(args) -> tuple[list[dict], dict]:
     size = dict(hidden=cfg['hidden'], layers=cfg['layers'], heads=cfg['heads'], intermediate=cfg['intermediate'],
                 mamba_chunk=cfg['mamba_chunk'])
     keys = ('train_min', 'train_max', 'test_min', 'test_max', 'steps', 'batch_size', 'lr', 'warmup', 'weight_decay',
-            'eval_samples', 'eval_batch_size', 'threads', 'curriculum', 'cuda_graph', 'tf32')
+            'eval_samples', 'eval_batch_size', 'threads', 'curriculum', 'cuda_graph', 'tf32', 'bf16')
     specs = [dict(model=m, seed=s, device=cfg['device'], kernels=args.kernels, size=size, **{k: cfg[k] for k in keys})
              for s in cfg['seeds'] for m in args.models]
     meta = dict(preset=args.preset, train_lengths=[cfg['train_min'], cfg['train_max']],

@@ -35,8 +35,15 @@ def curriculum_max(step: int, steps: int, lo: int, hi: int, frac: float) -> int:
     return min(hi, lo + int((hi - lo + 1) * step / (frac * steps)))
 
 
+def autocast(device, bf16: bool):
+    """bf16 autocast of the forward pass and loss (`bf16`), or nothing. No autocast cache: a CUDA graph replays
+    the captured casts, and the cache would hold weights cast before an optimizer step."""
+    return torch.autocast('cuda' if str(device).startswith('cuda') else 'cpu', dtype=torch.bfloat16,
+                          enabled=bool(bf16), cache_enabled=False)
+
+
 @torch.no_grad()
-def evaluate(model, lengths, samples: int, batch_size: int, device: str) -> dict:
+def evaluate(model, lengths, samples: int, batch_size: int, device: str, bf16: bool = False) -> dict:
     """{n: exact-match accuracy over `samples` examples with n-digit operands} (fixed test sets). Without
     autograd: with it, each eval batch kept its activations for a backward that never came (a Mamba-2 run's
     eval peaked at 24 GB at batch 250 on the H200)."""
@@ -47,7 +54,8 @@ def evaluate(model, lengths, samples: int, batch_size: int, device: str) -> dict
         correct = total = 0
         while total < samples:
             b = make_batch([n] * min(batch_size, samples - total), gen).to(device)
-            logits = model(input_ids=b.input_ids, use_cache=False).logits
+            with autocast(device, bf16):
+                logits = model(input_ids=b.input_ids, use_cache=False).logits
             correct += int(exact_match(logits, b.targets).sum())
             total += b.input_ids.shape[0]
         acc[int(n)] = correct / total
@@ -97,7 +105,7 @@ class BatchStream:
 # what makes two runs of a (model, seed) the same experiment: `--resume` keeps a finished run only if these match
 # (not the device, threads, eval batch size or job layout, which do not change the numbers beyond float noise)
 RUN_SETTINGS = ('kernels', 'size', 'train_min', 'train_max', 'test_min', 'test_max', 'steps', 'batch_size', 'lr',
-                'warmup', 'weight_decay', 'eval_samples', 'curriculum', 'cuda_graph', 'tf32')
+                'warmup', 'weight_decay', 'eval_samples', 'curriculum', 'cuda_graph', 'tf32', 'bf16')
 
 
 def run_settings(spec: dict) -> dict:
@@ -121,9 +129,10 @@ class GraphedStep:
     rates (set with `set_lr`). The caller runs a few eager steps on a side stream first (autotuning,
     lazy initialization), as CUDA graph capture requires."""
 
-    def __init__(self, model, opt, batch_size: int, seq_len: int, device, clip: float = 1.0):
+    def __init__(self, model, opt, batch_size: int, seq_len: int, device, clip: float = 1.0, bf16: bool = False):
         from evals.addition.data import IGNORE
         self.model, self.opt, self.clip, self.seq_len = model, opt, clip, seq_len
+        self.device, self.bf16 = device, bf16
         self.ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
         self.tgt = torch.full((batch_size, seq_len), IGNORE, dtype=torch.long, device=device)
         self.graph = None
@@ -140,7 +149,8 @@ class GraphedStep:
         self.tgt[:, :T].copy_(batch.targets, non_blocking=True)
 
     def _step(self) -> torch.Tensor:
-        loss = answer_loss(self.model(input_ids=self.ids, use_cache=False).logits, self.tgt)
+        with autocast(self.device, self.bf16):
+            loss = answer_loss(self.model(input_ids=self.ids, use_cache=False).logits, self.tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
         self.opt.step()
@@ -201,8 +211,9 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
             model, info = build_model(spec['model'], size, device=device, kernels=spec['kernels'])
     except Unavailable as e:
         return dict(record, status='unavailable', reason=str(e))
+    bf16 = bool(spec.get('bf16'))
     record.update(status='ok', route=info['route'], model_class=info['model_class'], params=info['params'],
-                  config=info['config'], tf32=record_tf32)
+                  config=info['config'], tf32=record_tf32, bf16=bf16)
     # weight decay on matrices only (not norms, biases, gate biases marked _no_weight_decay)
     decayed = {id(p) for p in model.parameters() if p.dim() >= 2 and not getattr(p, '_no_weight_decay', False)}
     groups = [dict(params=[p for p in model.parameters() if id(p) in decayed], weight_decay=spec['weight_decay']),
@@ -238,7 +249,7 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            gstep = GraphedStep(model, opt, local_batch, 3 * spec['train_max'] + 5, device) if graphed else None
+            gstep = GraphedStep(model, opt, local_batch, 3 * spec['train_max'] + 5, device, bf16=bf16) if graphed else None
             side = torch.cuda.Stream() if graphed else None
             batches = BatchStream(lambda i: train_batch(
                 local_batch, spec['train_min'],
@@ -265,7 +276,8 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                         if gstep is not None:
                             loss = gstep.replay()
                 if gstep is None:
-                    loss = answer_loss(net(input_ids=b.input_ids, use_cache=False).logits, b.targets)
+                    with autocast(device, bf16):
+                        loss = answer_loss(net(input_ids=b.input_ids, use_cache=False).logits, b.targets)
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"non-finite loss at step {step}")
                     opt.zero_grad(set_to_none=True)
@@ -300,7 +312,7 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             lengths = list(range(spec['train_min'], spec['test_max'] + 1))
             # the fixed test sets on rank 0 (the weights are the same on every rank)
-            acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device) if rank == 0 else {}
+            acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device, bf16) if rank == 0 else {}
             if cuda:
                 record['eval_peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
             if world > 1:

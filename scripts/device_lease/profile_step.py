@@ -13,6 +13,7 @@ import torch
 import fla_falcon  # noqa: F401
 from evals.addition.data import answer_loss, make_batch
 from evals.addition.models import build_model
+from evals.addition.train import autocast
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument('models', nargs='+')
@@ -20,6 +21,7 @@ p.add_argument('--batch', type=int, default=128)
 p.add_argument('--digits', type=int, default=32, help='operand digits of every example (the padded length)')
 p.add_argument('--steps', type=int, default=5)
 p.add_argument('--top', type=int, default=15)
+p.add_argument('--bf16', action='store_true', help='forward and loss under bf16 autocast (the harness\'s --bf16)')
 p.add_argument('--device', default='cuda', help='cuda (cpu: a smoke test of this script, torch routes)')
 a = p.parse_args()
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -33,7 +35,8 @@ for name in a.models:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step():
-        loss = answer_loss(model(input_ids=batch.input_ids, use_cache=False).logits, batch.targets)
+        with autocast(a.device, a.bf16):
+            loss = answer_loss(model(input_ids=batch.input_ids, use_cache=False).logits, batch.targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -51,7 +54,7 @@ for name in a.models:
         sync()
     ev = [e for e in prof.key_averages() if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)]
     total = sum(e.self_device_time_total for e in ev) / a.steps / 1e3
-    print(f"\n== {name} (route {info['route']}): eager step {wall:.2f} ms wall, {total:.2f} ms of kernels, "
+    print(f"\n== {name} (route {info['route']}{', bf16 autocast' if a.bf16 else ''}): eager step {wall:.2f} ms wall, {total:.2f} ms of kernels, "
           f"{sum(e.count for e in ev) // a.steps} kernels a step")
     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"  {e.self_device_time_total / a.steps / 1e3:7.3f} ms  x{e.count // a.steps:<4d} {e.key[:100]}")
