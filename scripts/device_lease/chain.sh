@@ -2,7 +2,8 @@
 # What a lease runs (started once by step.sh, in /tmp/br, a copy of the repo; logs and results in /tmp/L).
 # Settings (environment, or scripts/device_lease/lease.env beside this file):
 #   TESTS     pytest arguments run first on cores 0-3 (4 workers); empty: none
-#   PROFILE   addition models whose training step is profiled by kernel (profile_step.py), after TESTS
+#   PROFILE   profile_step.py arguments (addition models whose training step is profiled by kernel), after
+#             TESTS; several runs separated by ';' (e.g. "falcon1a gdn; falcon1a gdn --bf16")
 #   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores 4-15
 #   JOBS      paper runs in flight (4)
 #   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
@@ -23,7 +24,10 @@ fi
   fi
   if [ -n "${PROFILE:-}" ]; then
       stage "profile"
-      taskset -c 0-3 python3 scripts/device_lease/profile_step.py $PROFILE > $L/profile.log 2>&1
+      IFS=';' read -ra runs <<< "$PROFILE"
+      for r in "${runs[@]}"; do
+          taskset -c 0-3 python3 scripts/device_lease/profile_step.py $r >> $L/profile.log 2>&1
+      done
   fi
 ) &
 if [ -n "${MODELS:-}" ]; then
