@@ -4,7 +4,9 @@
 #   TESTS     pytest arguments run first on cores 0-3 (4 workers); empty: none
 #   PROFILE   profile_step.py arguments (addition models whose training step is profiled by kernel), after
 #             TESTS; several runs separated by ';' (e.g. "falcon1a gdn; falcon1a gdn --bf16")
-#   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores 4-15
+#   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores 4-7
+#   WARM      addition models to compile ahead (8 steps, a tiny eval, 3 at once on cores 8-15): their kernels
+#             and autotuning land in Triton's cache before the paper runs reach them
 #   JOBS      paper runs in flight (4)
 #   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
 #   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
@@ -30,11 +32,19 @@ fi
       done
   fi
 ) &
+if [ -n "${WARM:-}" ]; then
+    (
+      stage "warm"
+      printf '%s\n' $WARM | xargs -P 3 -I{} taskset -c 8-15 python3 -m evals.addition --preset paper --models {} \
+          --seeds 0 --steps 8 --eval-samples 4 --jobs 1 --threads 1 --no-progress --out /tmp/warm/{} >> $L/warm.log 2>&1
+      stage "warm done"
+    ) &
+fi
 if [ -n "${MODELS:-}" ]; then
     stage "paper"
     mkdir -p $L/paper/runs
     [ -n "${RESUME:-}" ] && cp "$RESUME"/*.json $L/paper/runs/ 2>/dev/null
-    taskset -c 4-15 python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-4} --threads 2 \
+    taskset -c 4-7 python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-4} --threads 2 \
         --resume --no-progress --out $L/paper > $L/paper.log 2>&1
 fi
 wait
