@@ -3,7 +3,7 @@
 
     python3 scripts/device_lease/profile_step.py falcon1a gdn mamba2 [--batch 128] [--digits 32]
 
-Eager steps (no CUDA graph) under torch.profiler: the per-step sum of device time is what a CUDA-graph step
+The harness's training step (train.GraphedStep), eager (no CUDA graph), under torch.profiler: the per-step sum of device time is what a CUDA-graph step
 costs at best; the table names the kernels that take it."""
 import argparse
 import time
@@ -11,9 +11,9 @@ import time
 import torch
 
 import fla_falcon  # noqa: F401
-from evals.addition.data import answer_loss, make_batch
+from evals.addition.data import make_batch
 from evals.addition.models import build_model
-from evals.addition.train import autocast
+from evals.addition.train import GraphedStep
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument('models', nargs='+')
@@ -32,14 +32,11 @@ cuda = a.device.startswith('cuda')
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 for name in a.models:
     model, info = build_model(name, size, device=a.device, kernels='auto')
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        with autocast(a.device, a.bf16):
-            loss = answer_loss(model(input_ids=batch.input_ids, use_cache=False).logits, batch.targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    # the harness's own step (forward, loss, backward, clipping, AdamW), run eagerly on one fixed batch
+    gstep = GraphedStep(model, opt, a.batch, batch.input_ids.shape[1], a.device, bf16=a.bf16)
+    gstep.load(batch)
+    step = gstep.eager
     for _ in range(3):   # compile, autotune
         step()
     sync()
