@@ -9,6 +9,8 @@
 #             and autotuning land in Triton's cache before the paper runs reach them
 #   JOBS      paper runs in flight (4)
 #   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
+#   PRE_BENCH arguments of benchmarks/benchmark_chunk.py run first, before TESTS and MODELS (the GPU to itself
+#             but for WARM's few steps), e.g. a --profile of the chunk kernels; output in /tmp/L/prebench
 #   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
 set -x
 L=/tmp/L
@@ -18,6 +20,19 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 stage() { echo "$(date +%T) $*" >> $L/stage; }
 if [ -d .tcache ] && ls .tcache/tc.tar.xz.* >/dev/null 2>&1; then   # a Triton cache carried from an earlier lease
     mkdir -p ~/.triton/cache && cat .tcache/tc.tar.xz.* | xz -d | tar xf - -C ~/.triton/cache && stage "cache restored"
+fi
+if [ -n "${WARM:-}" ]; then
+    (
+      stage "warm"
+      printf '%s\n' $WARM | xargs -P 3 -I{} taskset -c 8-15 python3 -m evals.addition --preset paper --models {} \
+          --seeds 0 --steps 8 --eval-samples 4 --jobs 1 --threads 1 --no-progress --out /tmp/warm/{} >> $L/warm.log 2>&1
+      stage "warm done"
+    ) &
+fi
+if [ -n "${PRE_BENCH:-}" ]; then
+    stage "pre-bench"
+    taskset -c 0-7 python3 benchmarks/benchmark_chunk.py $PRE_BENCH --out $L/prebench > $L/prebench.log 2>&1
+    stage "pre-bench done"
 fi
 (
   if [ -n "${TESTS:-}" ]; then
@@ -32,14 +47,6 @@ fi
       done
   fi
 ) &
-if [ -n "${WARM:-}" ]; then
-    (
-      stage "warm"
-      printf '%s\n' $WARM | xargs -P 3 -I{} taskset -c 8-15 python3 -m evals.addition --preset paper --models {} \
-          --seeds 0 --steps 8 --eval-samples 4 --jobs 1 --threads 1 --no-progress --out /tmp/warm/{} >> $L/warm.log 2>&1
-      stage "warm done"
-    ) &
-fi
 if [ -n "${MODELS:-}" ]; then
     stage "paper"
     mkdir -p $L/paper/runs
