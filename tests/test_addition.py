@@ -639,3 +639,22 @@ def test_resume_keeps_only_runs_with_the_same_settings(tmp_path, capsys, restore
     assert main(argv + ['--steps', '3']) == 0              # other settings: run again
     assert 'other settings' in capsys.readouterr().out
     assert json.loads(path.read_text())['spec']['steps'] == 3
+
+
+def test_report_only_of_gpu_runs_on_a_cpu_and_partial_note(tmp_path, capsys):
+    # the paper preset's report is rebuilt here from runs made on the GPU machine (no GPU needed), lists the
+    # runs' own environment, and says which (model, seed) runs it does not hold yet
+    from evals.addition.__main__ import build_specs, main, parse_args
+    from evals.addition.train import run_settings
+    argv = ['--preset', 'paper', '--models', 'falcon1a', 'gdn', '--seeds', '0', '1', '--out', str(tmp_path)]
+    specs, _ = build_specs(parse_args(argv))
+    spec = next(s for s in specs if s['model'] == 'gdn' and s['seed'] == 1)
+    rec = _fake_run('gdn', 1, {n: 1.0 if n <= 32 else 0.5 for n in range(1, 49)})
+    rec.update(spec=json.loads(json.dumps(run_settings(spec))), environment={'gpu': 'NVIDIA H200'})
+    (tmp_path / 'runs').mkdir()
+    (tmp_path / 'runs' / 'gdn-s1.json').write_text(json.dumps(rec))
+    assert main(argv + ['--report-only']) == 0
+    table = (tmp_path / 'results.md').read_text()
+    assert '| gdn | 1,234 | 1 | 100.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 |' in table
+    assert '**Partial: 1 of 4 runs so far.** Not run yet: falcon1a-s0, gdn-s0, falcon1a-s1.' in table
+    assert json.loads((tmp_path / 'results.json').read_text())['meta']['environment'] == [{'gpu': 'NVIDIA H200'}]

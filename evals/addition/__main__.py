@@ -218,6 +218,7 @@ def worker(spec_path: str, result_path: str, progress: bool) -> int:
     if str(spec['device']).startswith('cuda'):
         spec['device'] = 'cuda'   # CUDA_VISIBLE_DEVICES already picked the GPU
     rec = run(spec, position=int(os.environ.get('EVALS_ADDITION_POSITION', 0)), progress=progress)
+    rec['environment'] = _environment(spec['device'])
     Path(result_path).write_text(json.dumps(rec, default=str))
     return 0
 
@@ -242,13 +243,15 @@ def main(argv=None) -> int:
     run_dir = out / 'runs'
     run_dir.mkdir(parents=True, exist_ok=True)
     device = meta['config']['device']
-    if str(device).startswith('cuda'):
+    if str(device).startswith('cuda') and not args.report_only:   # a report is rebuilt anywhere
         import torch
         if not torch.cuda.is_available():
             raise SystemExit(f"error: --device {device} but no CUDA GPU is visible (use --preset tiny or --device cpu)")
         if args.jobs is None and 'jobs_per_gpu' in meta['config'] and world == 1:
             meta['config']['jobs'] = meta['config']['jobs_per_gpu'] * torch.cuda.device_count()
-    meta['environment'] = _environment(device)
+    # where the runs ran: each run records its own environment (below); a report rebuilt elsewhere
+    # (--report-only) lists theirs instead of this machine's
+    meta['environment'] = None if args.report_only else _environment(device)
     progress = not args.no_progress
     start = time.perf_counter()
 
@@ -276,6 +279,7 @@ def main(argv=None) -> int:
         from evals.addition.train import run
         for spec in todo:
             rec = run(spec, progress=progress)
+            rec['environment'] = meta['environment'] or _environment(spec['device'])
             if rank == 0:
                 (run_dir / f"{_run_name(spec)}.json").write_text(json.dumps(rec, default=str))
                 _print_status(rec)
@@ -289,6 +293,9 @@ def main(argv=None) -> int:
         for rec in run_parallel(todo, run_dir, jobs, progress):
             done[f"{rec['model']}-s{rec['seed']}"] = rec
     runs = [done[_run_name(s)] for s in specs if _run_name(s) in done]
+    if meta['environment'] is None:
+        envs = [json.dumps(r['environment'], sort_keys=True) for r in runs if r.get('environment')]
+        meta['environment'] = [json.loads(e) for e in dict.fromkeys(envs)] or 'not recorded in the runs'
     meta['wall_time_s'] = time.perf_counter() - start
     if args.report_only and (out / 'results.json').exists():   # keep the wall time of the runs themselves
         meta['wall_time_s'] = json.loads((out / 'results.json').read_text())['meta'].get('wall_time_s')

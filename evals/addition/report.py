@@ -113,6 +113,12 @@ def write_report(out_dir, runs: list[dict], meta: dict) -> dict:
     rows = summarize(runs, tr, te)
     title = f"addition, preset {meta.get('preset')}: train {tr[0]}-{tr[1]} digits, test {te[0]}-{te[1]}"
     table = markdown_table(rows, tr, te, title)
+    expected = [f"{m}-s{sd}" for sd in (meta.get('config') or {}).get('seeds', []) for m in meta.get('models') or []]
+    have = {f"{r.get('model')}-s{r.get('seed')}" for r in runs}
+    missing = [x for x in expected if x not in have]
+    if missing:   # runs accumulate over several GPU leases (--resume): say what the table does not hold yet
+        table += (f"\n**Partial: {len(expected) - len(missing)} of {len(expected)} runs so far.** Not run yet: "
+                  + ', '.join(missing) + ".\n")
     if meta.get('preset') == 'tiny':
         table += ("\nThe `tiny` preset is a CPU smoke test (tiny models, short operands, few steps): it checks the "
                   "pipeline end to end; it is not the paper's experiment (`--preset paper`).\n")
