@@ -8,6 +8,9 @@
 #   WARM      addition models to compile ahead (8 steps, a tiny eval, 3 at once on cores 8-15): their kernels
 #             and autotuning land in Triton's cache before the paper runs reach them
 #   JOBS      paper runs in flight (4)
+#   PROBE     ';'-separated sets of extra evals.addition arguments, each a variant of the paper preset (seed 0,
+#             one run in flight per model), e.g. "--models falcon1a transformer --lr 1e-3; --models gdn --lr 5e-4";
+#             all sets at once on cores 8-15 beside MODELS, results in /tmp/L/probe/<i>/ (kept by step.sh)
 #   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
 #   PRE_BENCH arguments of benchmarks/benchmark_chunk.py run first, before TESTS and MODELS (the GPU to itself
 #             but for WARM's few steps), e.g. a --profile of the chunk kernels; output in /tmp/L/prebench
@@ -47,6 +50,16 @@ fi
       done
   fi
 ) &
+if [ -n "${PROBE:-}" ]; then
+    stage "probe"
+    IFS=';' read -ra sets <<< "$PROBE"
+    for i in "${!sets[@]}"; do
+        mkdir -p $L/probe/$i
+        echo "${sets[$i]}" > $L/probe/$i/args
+        taskset -c 8-15 python3 -m evals.addition --preset paper --seeds 0 ${sets[$i]} --threads 1 --resume \
+            --no-progress --out $L/probe/$i > $L/probe/$i/log 2>&1 &
+    done
+fi
 if [ -n "${MODELS:-}" ]; then
     stage "paper"
     mkdir -p $L/paper/runs
