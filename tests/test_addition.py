@@ -658,3 +658,18 @@ def test_report_only_of_gpu_runs_on_a_cpu_and_partial_note(tmp_path, capsys):
     assert '| gdn | 1,234 | 1 | 100.0 ± 0.0 | 50.0 ± 0.0 | 50.0 ± 0.0 |' in table
     assert '**Partial: 1 of 4 runs so far.** Not run yet: falcon1a-s0, gdn-s0, falcon1a-s1.' in table
     assert json.loads((tmp_path / 'results.json').read_text())['meta']['environment'] == [{'gpu': 'NVIDIA H200'}]
+
+
+def test_loss_curve_and_its_plot(tmp_path):
+    from evals.addition.train import loss_curve
+    c = loss_curve(torch.arange(205, dtype=torch.float32))
+    assert c['every'] == 2 and len(c['mean']) == 102
+    assert c['mean'][0] == 0.5 and c['mean'][-1] == pytest.approx(203.0)   # the last span takes the remainder
+    assert loss_curve(torch.ones(3)) == {'every': 1, 'mean': [1.0, 1.0, 1.0]}
+    runs = [dict(_fake_run('falcon1a', s, {1: 1.0, 2: 0.0}), loss_curve=loss_curve(torch.rand(50) + 1)) for s in (0, 1)]
+    paths = write_report(tmp_path, runs, dict(preset='tiny', train_lengths=[1, 1], test_lengths=[2, 2]))
+    assert (tmp_path / 'loss_curves.png').stat().st_size > 1000 and paths['loss_plot'].endswith('loss_curves.png')
+    # runs from before the curves were recorded: no loss plot, the rest of the report as before
+    paths = write_report(tmp_path / 'old', [_fake_run('gdn', 0, {1: 1.0, 2: 0.0})],
+                         dict(preset='tiny', train_lengths=[1, 1], test_lengths=[2, 2]))
+    assert 'loss_plot' not in paths and not (tmp_path / 'old' / 'loss_curves.png').exists()

@@ -105,6 +105,36 @@ def plot(rows, train_lengths, path, title: str = '') -> None:
     plt.close(fig)
 
 
+def plot_losses(runs: list[dict], path, title: str = '') -> bool:
+    """Training loss against step, one line per run (color by model, line style by seed); False (no file)
+    when no run recorded its curve."""
+    curves = [r for r in runs if r.get('status') == 'ok' and (r.get('loss_curve') or {}).get('mean')]
+    if not curves:
+        return False
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r['model'] for r in curves))
+    styles = ['-', '--', ':', '-.']
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    for r in curves:
+        c = r['loss_curve']
+        steps = [(i + 1) * c['every'] for i in range(len(c['mean']))]
+        ax.plot(steps, c['mean'], styles[r['seed'] % len(styles)], color=f"C{models.index(r['model']) % 10}",
+                lw=1.2, label=f"{r['model']} s{r['seed']}")
+    ax.set_yscale('log')
+    ax.set_xlabel('training step')
+    ax.set_ylabel('training loss (answer tokens)')
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def write_report(out_dir, runs: list[dict], meta: dict) -> dict:
     """Writes results.json, results.md and accuracy_vs_length.png into out_dir; returns the paths."""
     out = Path(out_dir)
@@ -130,4 +160,6 @@ def write_report(out_dir, runs: list[dict], meta: dict) -> dict:
         json.dump(dict(meta=meta, summary=summary, runs=runs, paper_mean_ood=PAPER_OOD), f, indent=1, default=str)
     paths['markdown'].write_text(table)
     plot(rows, tr, paths['plot'], title)
+    if plot_losses(runs, out / 'loss_curves.png', f"{title}: training loss"):
+        paths['loss_plot'] = out / 'loss_curves.png'
     return {k: str(v) for k, v in paths.items()} | {'table': table}

@@ -113,6 +113,18 @@ def run_settings(spec: dict) -> dict:
     return {k: spec.get(k) for k in RUN_SETTINGS}
 
 
+def loss_curve(losses: torch.Tensor, points: int = 100) -> dict:
+    """The training loss as `points` means over consecutive equal spans of steps (the last span takes the
+    remainder): {'every': span, 'mean': [...]}, for the report's loss plot (where a run plateaus or diverges)."""
+    n = losses.numel()
+    every = max(1, n // points)
+    full = (n // every) * every
+    means = losses[:full].float().reshape(-1, every).mean(1).tolist() if full else []
+    if n > full:
+        means[-1:] = [float(losses[full - every if full else 0:].float().mean())]
+    return dict(every=every, mean=[round(m, 5) for m in means])
+
+
 def _dist_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -325,5 +337,6 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
                     train_time_s=time.perf_counter() - start)
     bar.close()
     return dict(record, train_time_s=train_time, eval_time_s=time.perf_counter() - start - train_time,
-                final_loss=float(losses[-max(1, steps // 20):].mean()), accuracy={str(n): a for n, a in acc.items()},
+                final_loss=float(losses[-max(1, steps // 20):].mean()), loss_curve=loss_curve(losses),
+                accuracy={str(n): a for n, a in acc.items()},
                 train_lengths=[spec['train_min'], spec['train_max']], test_lengths=[spec['test_min'], spec['test_max']])
