@@ -673,3 +673,22 @@ def test_loss_curve_and_its_plot(tmp_path):
     paths = write_report(tmp_path / 'old', [_fake_run('gdn', 0, {1: 1.0, 2: 0.0})],
                          dict(preset='tiny', train_lengths=[1, 1], test_lengths=[2, 2]))
     assert 'loss_plot' not in paths and not (tmp_path / 'old' / 'loss_curves.png').exists()
+
+
+def test_time_budget_starts_only_runs_that_fit(tmp_path, capsys):
+    from evals.addition.__main__ import FIRST_RUN_S, PACE_MS, _fits, expected_seconds, main
+    spec = dict(model='falcon1a', device='cuda', steps=20000)
+    assert expected_seconds(spec, [], 2) == PACE_MS['falcon'] * 20 * 2 + 45 + FIRST_RUN_S
+    assert expected_seconds(dict(spec, model='mamba2'), [], 1) > expected_seconds(spec, [], 1)
+    done = [dict(model='falcon1a', status='ok', train_time_s=100.0, eval_time_s=5.0)]
+    assert expected_seconds(spec, done, 2) == 105.0          # the same model's finished runs, when there are some
+    assert expected_seconds(dict(spec, device='cpu'), [], 1) is None
+    assert _fits(None, 1.0) and not _fits(None, 0.0) and _fits(50.0, 60.0) and not _fits(70.0, 60.0)
+    # no time left: nothing starts, the report lists the runs it does not hold
+    argv = ['--preset', 'tiny', '--models', 'transformer', 'falcon1a', '--seeds', '0', '--out', str(tmp_path),
+            '--no-progress', '--time-budget', '0']
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert 'transformer-s0: not started' in out and 'falcon1a-s0: not started' in out
+    assert not list((tmp_path / 'runs').glob('*-s0.json'))
+    assert 'Partial: 0 of 2 runs so far' in (tmp_path / 'results.md').read_text()

@@ -85,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "GPUs, several per GPU (preset: tiny 2; paper 2 per visible GPU); 1 runs in this process")
     p.add_argument('--threads', type=int, default=None, help="torch CPU threads per run")
     p.add_argument('--out', default=None, help="results folder (default results/addition/<preset>)")
+    p.add_argument('--time-budget', type=float, default=None, metavar='MINUTES',
+                   help="start no run that is not expected to finish within MINUTES of wall time from now (a GPU "
+                        "lease's end: a run cut short is lost); the runs left out are reported as not run yet. "
+                        "Expected time: the same model's finished runs in this invocation, else the paper preset's "
+                        "measured pace on an H200 (PACE_MS) times the runs in flight")
     p.add_argument('--resume', action='store_true', help="keep finished runs found in <out>/runs")
     p.add_argument('--report-only', action='store_true', help="rebuild the report from <out>/runs")
     p.add_argument('--no-progress', action='store_true', help="no tqdm bars")
@@ -129,6 +134,36 @@ def build_specs(args) -> tuple[list[dict], dict]:
     return specs, meta
 
 
+# ms per training step of one run alone on an H200 with the paper preset's model size and batch (step captured as
+# a CUDA graph; docs/addition_attempts.md): Falcon rules ~6.2-6.5 and the Transformer 7.2 measured alone;
+# GatedDeltaNet 27.6 and Mamba-2 57 measured with one other run beside them (halved here), DeltaNet ~33 with
+# four beside it (a fifth here)
+PACE_MS = {'falcon': 6.5, 'transformer': 7.2, 'gdn': 14.0, 'mamba2': 29.0, 'deltanet': 8.0}
+FIRST_RUN_S = 180   # a model's first run on a fresh machine: compiling and autotuning its kernels, eval included
+EVAL_S = 45
+
+
+def expected_seconds(spec: dict, finished: list[dict], in_flight: int) -> float | None:
+    """How long the run of `spec` is expected to take with `in_flight` runs sharing its GPU (time slicing);
+    None when unknown (then it is started anyway)."""
+    same = [r for r in finished if r.get('model') == spec['model'] and r.get('status') == 'ok']
+    if same:
+        return max(r.get('train_time_s', 0) + r.get('eval_time_s', 0) for r in same)
+    if not str(spec['device']).startswith('cuda'):
+        return None
+    family = spec['model'] if spec['model'] in PACE_MS else 'falcon'
+    return PACE_MS[family] * spec['steps'] / 1000 * max(1, in_flight) + EVAL_S + FIRST_RUN_S
+
+
+def _fits(need: float | None, left: float) -> bool:
+    """A run fits the time left if expected to end within it; one of unknown length while any time is left."""
+    return left > 0 and (need is None or need <= left)
+
+
+def _expect_str(need: float | None) -> str:
+    return 'expected length unknown' if need is None else f"expected {need:.0f} s"
+
+
 def _environment(device: str) -> dict:
     import fla
     import torch
@@ -147,9 +182,10 @@ def _run_name(spec) -> str:
     return f"{spec['model']}-s{spec['seed']}"
 
 
-def run_parallel(specs, run_dir: Path, jobs: int, progress: bool) -> list[dict]:
+def run_parallel(specs, run_dir: Path, jobs: int, progress: bool, deadline: float | None = None) -> list[dict]:
     """Each run in its own process (`--worker`), at most `jobs` at a time; CUDA runs spread over the
-    visible GPUs round-robin by slot (several runs packed per GPU)."""
+    visible GPUs round-robin by slot (several runs packed per GPU). With a `deadline` (time.time()), a run
+    expected to end after it is not started (`expected_seconds`); a later, shorter one may be."""
     import torch
     from tqdm.auto import tqdm
     ngpu = torch.cuda.device_count() if any(str(s['device']).startswith('cuda') for s in specs) else 0
@@ -166,6 +202,17 @@ def run_parallel(specs, run_dir: Path, jobs: int, progress: bool) -> list[dict]:
     bar = tqdm(total=len(specs), desc='runs', position=0, disable=not progress, dynamic_ncols=True)
     while pending or active:
         while pending and free_slots:
+            if deadline is not None:
+                left = deadline - time.time()
+                # runs sharing the new one's GPU (slots go round-robin over the GPUs)
+                sharing = -(-(len(active) + 1) // max(1, ngpu))
+                need = {_run_name(sp): expected_seconds(sp, results, sharing) for sp in pending}
+                for sp in [sp for sp in pending if not _fits(need[_run_name(sp)], left)]:
+                    print(f"  {_run_name(sp)}: not started ({_expect_str(need[_run_name(sp)])}, {left:.0f} s "
+                          f"left of --time-budget)", flush=True)
+                    pending.remove(sp)
+                if not pending:
+                    break
             spec, slot = pending.pop(0), free_slots.pop(0)
             spec_path, res_path = run_dir / f"{_run_name(spec)}.spec.json", run_dir / f"{_run_name(spec)}.json"
             spec_path.write_text(json.dumps(spec))
@@ -275,9 +322,18 @@ def main(argv=None) -> int:
               f"train {meta['train_lengths']} test {meta['test_lengths']} digits, out {out}"
               + (f", data parallel over {world} ranks" if world > 1 else ''), flush=True)
     jobs = meta['config'].get('jobs', 1)
+    deadline = time.time() + 60 * args.time_budget if args.time_budget is not None else None
+    if deadline is not None:
+        meta['time_budget_min'] = args.time_budget
     if jobs <= 1 or len(todo) <= 1:
         from evals.addition.train import run
         for spec in todo:
+            if deadline is not None:
+                need, left = expected_seconds(spec, list(done.values()), 1), deadline - time.time()
+                if not _fits(need, left):
+                    print(f"  {_run_name(spec)}: not started ({_expect_str(need)}, {left:.0f} s left of "
+                          f"--time-budget)", flush=True)
+                    continue
             rec = run(spec, progress=progress)
             rec['environment'] = meta['environment'] or _environment(spec['device'])
             if rank == 0:
@@ -290,7 +346,7 @@ def main(argv=None) -> int:
             if rank > 0:
                 return 0
     else:
-        for rec in run_parallel(todo, run_dir, jobs, progress):
+        for rec in run_parallel(todo, run_dir, jobs, progress, deadline):
             done[f"{rec['model']}-s{rec['seed']}"] = rec
     runs = [done[_run_name(s)] for s in specs if _run_name(s) in done]
     if meta['environment'] is None:

@@ -99,7 +99,8 @@ def plot(rows, train_lengths, path, title: str = '') -> None:
     ax.set_ylim(-3, 103)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))   # outside: curves overlap
+    if ax.lines:   # (a report of no finished run yet has none)
+        ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))   # outside: curves overlap
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

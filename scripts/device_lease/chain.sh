@@ -7,7 +7,9 @@
 #   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores 4-7
 #   WARM      addition models to compile ahead (8 steps, a tiny eval, 3 at once on cores 8-15): their kernels
 #             and autotuning land in Triton's cache before the paper runs reach them
-#   JOBS      paper runs in flight (4)
+#   JOBS      paper runs in flight (2)
+#   LEASE_MIN minutes of the lease, counted from this script's start, that the paper and probe runs may use (26):
+#             a run not expected to finish by then is not started (evals.addition --time-budget)
 #   PROBE     ';'-separated sets of extra evals.addition arguments, each a variant of the paper preset (seed 0,
 #             one run in flight per model), e.g. "--models falcon1a transformer --lr 1e-3; --models gdn --lr 5e-4";
 #             all sets at once on cores 8-15 beside MODELS, results in /tmp/L/probe/<i>/ (kept by step.sh)
@@ -21,6 +23,8 @@ cd "$(dirname "$0")/../.."
 [ -f scripts/device_lease/lease.env ] && . scripts/device_lease/lease.env
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 stage() { echo "$(date +%T) $*" >> $L/stage; }
+T0=$(date +%s)
+budget() { awk -v s=$(( ${LEASE_MIN:-26} * 60 - ($(date +%s) - T0) )) 'BEGIN { printf "%.1f", s / 60 }'; }
 if [ -d .tcache ] && ls .tcache/tc.tar.xz.* >/dev/null 2>&1; then   # a Triton cache carried from an earlier lease
     mkdir -p ~/.triton/cache && cat .tcache/tc.tar.xz.* | xz -d | tar xf - -C ~/.triton/cache && stage "cache restored"
 fi
@@ -57,15 +61,15 @@ if [ -n "${PROBE:-}" ]; then
         mkdir -p $L/probe/$i
         echo "${sets[$i]}" > $L/probe/$i/args
         taskset -c 8-15 python3 -m evals.addition --preset paper --seeds 0 ${sets[$i]} --threads 1 --resume \
-            --no-progress --out $L/probe/$i > $L/probe/$i/log 2>&1 &
+            --time-budget $(budget) --no-progress --out $L/probe/$i > $L/probe/$i/log 2>&1 &
     done
 fi
 if [ -n "${MODELS:-}" ]; then
     stage "paper"
     mkdir -p $L/paper/runs
     [ -n "${RESUME:-}" ] && cp "$RESUME"/*.json $L/paper/runs/ 2>/dev/null
-    taskset -c 4-7 python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-4} --threads 2 \
-        --resume --no-progress --out $L/paper > $L/paper.log 2>&1
+    taskset -c 4-7 python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-2} --threads 2 \
+        --resume --time-budget $(budget) --no-progress --out $L/paper > $L/paper.log 2>&1
 fi
 wait
 if [ -n "${BENCH:-}" ]; then
