@@ -81,6 +81,19 @@ def make_cases(B, T, H, K, V, window, recurrent=()):
     return cases, leaves
 
 
+def _fwd_bwd(fn):
+    """fn's output and its backward with a fixed random cotangent (drawn on the first call)."""
+    do = None
+
+    def run():
+        nonlocal do
+        o = fn()
+        if do is None:
+            do = torch.randn_like(o)
+        o.backward(do)
+    return run
+
+
 def bench(fn, leaves, backward):
     from triton.testing import do_bench
 
@@ -89,14 +102,10 @@ def bench(fn, leaves, backward):
             with torch.no_grad():
                 fn()
     else:
-        do = None
+        step = _fwd_bwd(fn)
 
         def run():
-            nonlocal do
-            o = fn()
-            if do is None:
-                do = torch.randn_like(o)
-            o.backward(do)
+            step()
             for t in leaves:
                 t.grad = None
     run()
@@ -109,14 +118,7 @@ def bench_graph(fn, leaves) -> float | None:
     its kernels (fla's ops, at these shapes); this is the device's share. None if capture fails."""
     from triton.testing import do_bench_cudagraph
 
-    do = None
-
-    def run():
-        nonlocal do
-        o = fn()
-        if do is None:
-            do = torch.randn_like(o)
-        o.backward(do)
+    run = _fwd_bwd(fn)
     run()
     for t in leaves:
         t.grad = None
