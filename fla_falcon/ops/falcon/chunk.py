@@ -25,7 +25,7 @@ Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum), falcon1's ``_wy_s
 Backward: ``_bwd_dv_local`` + ``_bwd_dhu`` (state gradients, dU), ``_bwd_dqx`` (dq, the attention
 part of dx, the decay gradients of the output/state paths; falcon1a finishes there with the gates'
 chain rule) and, for falcon1, ``_bwd_gates`` (the WY backward, then the gates' chain rule).
-falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col``, ``_bwd_col_gates`` (gates, state paths) and
+falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col``, ``_bwd_col_gates`` (gates), ``_bwd_col_state`` (state paths) and
 ``_bwd_col_ds`` (intra-chunk products) for the per-column parts.
 The decay gradient uses the usual identities (every ``+G_t`` term of an output / every ``-G_s``
 term of a write): ``dG_t = q_t.dq_t - x_t.dx_t`` (scalar decay) or ``o_t * do_t - u_t * du_t``
@@ -81,9 +81,13 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # the sequential state kernels run one program per (value block, sequence, head): narrower value
 # blocks give more programs when there are few sequences
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
-# the per-column gates kernel holds ~20 [BT, BV] fp32 tiles besides its [BT, K] accumulators: narrow value
-# blocks (ptxas stack at K = V = 128 bf16: 830-1080 B at BV = 64, 280-380 B at 32, 64-220 B at 16)
-CONFIGS_COL = [triton.Config({'BV': bv}, num_warps=8, num_stages=s) for bv in (16, 32) for s in (2, 3)]
+# the per-column backward is two kernels: _bwd_col_gates holds ~20 [BT, BV] fp32 tiles of one value block (one
+# program per block, BV = COL_BV fixed: each block writes its own slot of per-row sums); _bwd_col_state holds the
+# [BT, K] accumulators of the state paths and loops over value blocks. One kernel with both spilled 280-1080 B
+# per thread at BV = 32-64 (ptxas, K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile)
+COL_BV = 32
+CONFIGS_COLG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
+CONFIGS_COLS = [triton.Config({'BV': bv}, num_warps=8, num_stages=s) for bv in (32, 64) for s in (2, 3)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1119,27 +1123,100 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     tl.store(du + p_tv, b_du * scale, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_COL, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col_gates(q, k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dqa, dxa,
-                   dv, dbeta, dlam, scale, eps, eps_gamma,
+def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
                    USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The per-column rules per chunk, first kernel (one pass over the value blocks): the per-column decay
-    gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum
-    and the gates' chain rule (dbeta, dv, dlam written), and the state paths of dq (dqa, scaled) and of
-    dx (dxa, with the energy path 2 dden x); _bwd_col_ds adds the intra-chunk products. The written
-    vectors are u = eta * val:
+    """The per-column rules per chunk, first kernel, one program per value block (BV is fixed by the host, not
+    tuned: each block writes its own slot of the row partial sums rowp): the per-column decay gradient
+    dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the gates'
+    chain rule (dbeta and dv written), and this block's share of the per-row sums d(lam') and d(den)
+    (rowp[i_v]: _bwd_col_state adds the blocks' shares). The written vectors are u = eta * val:
 
     - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
-      which the state path is added here;
+      which the state path exp(G_C - G) X dh is added here;
     - falcon2 (DELTA=True, chunk_col.py): val = r = v - x.S_{t-1} (the residual), dval = drhs from the
-      transposed solve (all paths). On top: the X S0 path of the right-hand side (dx), and Gx = G - g in
-      the right side and L (-a p with p = v - r the prediction, a = eta drhs), which g_t itself does not
-      enter."""
+      transposed solve (all paths). On top: Gx = G - g in L (-a p with p = v - r the prediction,
+      a = eta drhs), which g_t itself does not enter."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_s = tl.arange(0, BT)
+    o_t = i_t * BT + o_s
+    m_t = o_t < T
+    last = min(i_t * BT + BT, T) - 1
+    o_k = tl.arange(0, BK)
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    dt = b_xl.dtype
+    b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    # per-row float factors instead of bool masks: Triton cannot move i1 tensors between layouts
+    # through shared memory, and these rows meet the dot layouts below
+    ok = valid & (b_den > 0)
+    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
+    b_validf = valid.to(tl.float32)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = (o_k < K)[:, None] & m_v[None, :]
+    p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_h = tl.load(h + p_kv, mask=m_kv, other=0)
+    b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+    b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+    b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+    b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
+    b_eta = b_beta * b_rden[:, None]
+    b_al = b_eta * b_lp[:, None]
+    clamped = b_al > 1 - eps_gamma
+    b_al = tl.minimum(b_al, 1 - eps_gamma)
+    b_u = b_eta * b_val
+    # the state path exp(G_C - G) X dh of du
+    b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
+    b_dval = tl.load(dval + p_tv, mask=m_tv, other=0)
+    if not DELTA:
+        b_dval += b_duS
+    # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
+    b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
+    if DELTA:
+        b_dGx = -b_eta * b_dval * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
+    else:
+        b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
+    b_dG += b_dGx
+    b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
+    b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
+    b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
+    b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
+    b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
+    b_dbeta = b_deta * b_rden[:, None]
+    tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
+    tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
+    # this block's share of d(lam') and d(den) per row
+    b_dlp = tl.sum(b_dalpha * b_eta, 1)
+    b_dden = -tl.sum(b_deta * b_eta, 1) * b_rden
+    p_row = rowp + ((i_v * NTOK + bos + o_t) * HV + i_hv) * 2
+    tl.store(p_row, b_dlp, mask=m_t)
+    tl.store(p_row + 1, b_dden, mask=m_t)
+
+
+@triton.autotune(configs=CONFIGS_COLS, key=['H', 'HV', 'K', 'V', 'BT', 'NV_ROW', 'DELTA', 'IS_VARLEN'])
+@triton.jit
+def _bwd_col_state(k, val, beta, lam, last_k, count, G, h, dh, do, dval, rowp, NTOK, dqa, dxa, dlam, scale, eps,
+                   cu_seqlens, chunk_indices, chunk_offsets, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV_ROW: tl.constexpr,
+                   SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The per-column rules per chunk, second kernel (after _bwd_col_gates, one pass over the value blocks): the
+    chunk-start state's paths of dq (dqa, scaled) and of dx (dxa: exp(G_C - G) u dh^T, for falcon2 minus the X S0
+    path of the right-hand side, a exp(Gx) h^T with a = eta drhs), the energy path 2 dden x with dden summed over
+    _bwd_col_gates' value blocks (rowp), and dlam; _bwd_col_ds adds the intra-chunk products."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1153,15 +1230,10 @@ def _bwd_col_gates(q, k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     dt = b_xl.dtype
     b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    # per-row float factors instead of bool masks: Triton cannot move i1 tensors between layouts
-    # through shared memory, and these rows meet the dot layouts below
     ok = valid & (b_den > 0)
     b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
-    b_validf = valid.to(tl.float32)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dden = tl.zeros([BT], dtype=tl.float32)
-    b_dlp = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1169,46 +1241,26 @@ def _bwd_col_gates(q, k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval
         p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
         b_G = tl.load(G + p_tv, mask=m_tv, other=0)
         b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_eta = b_beta * b_rden[:, None]
-        b_al = b_eta * b_lp[:, None]
-        clamped = b_al > 1 - eps_gamma
-        b_al = tl.minimum(b_al, 1 - eps_gamma)
-        b_u = b_eta * b_val
-        # the state path exp(G_C - G) X dh of du
-        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
-        b_dval = tl.load(dval + p_tv, mask=m_tv, other=0)
-        if not DELTA:
-            b_dval += b_duS
-        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h.to(dt)))
-        b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh.to(dt)))
+        b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * b_rden[:, None]
+        b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
+        b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
         if DELTA:
-            b_a = b_eta * b_dval
+            b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
             b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
-            b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h.to(dt)))   # the X S0 path
-        # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
-        b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
-        if DELTA:
-            b_dGx = -b_a * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
-        else:
-            b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
-        b_dG += b_dGx
-        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
-        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
-        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
-        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
-        b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
-        b_dlp += tl.sum(b_dalpha * b_eta, 1)
-        b_dbeta = b_deta * b_rden[:, None]
-        b_dden -= tl.sum(b_deta * b_eta, 1) * b_rden
-        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
-        tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
+            b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h))   # the X S0 path
+    # d(lam') and d(den) per row: the value blocks' shares
+    b_dlp = tl.zeros([BT], dtype=tl.float32)
+    b_dden = tl.zeros([BT], dtype=tl.float32)
+    for j in tl.static_range(NV_ROW):
+        p_row = rowp + ((j * NTOK + bos + o_t) * HV + i_hv) * 2
+        b_dlp += tl.load(p_row, mask=m_t, other=0)
+        b_dden += tl.load(p_row + 1, mask=m_t, other=0)
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dqa + p_tk, b_dq * scale, mask=m_tk)
     tl.store(dxa + p_tk, b_dxs + (2 * b_dden)[:, None] * b_xl.to(tl.float32), mask=m_tk)
@@ -1698,10 +1750,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if per_col:
         o32 = A
         ds_buf = torch.empty(B, T, HV, BT, **f32)
-        dqa, dxa = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
-        _bwd_col_gates[(NT, B * HV)](
-            q, k, v, v, beta, lam, last_k, count, G, h, dh, o32, do, du, dqa, dxa, dv, dbeta, dlam, scale, eps,
-            eps_gamma, cu_seqlens, ci, co, T, DELTA=False, **gates, **common_h)
+        dqa, dxa = _bwd_col_gates_state(k, v, v, beta, lam, last_k, count, G, h, dh, o32, do, du, dv, dbeta, dlam,
+                                        scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common_h)
         _bwd_col_ds[(NT, B * HV)](
             q, k, v, last_k, count, G, eta, do, du, dqa, dxa, ds_buf, None, dq, dk, dlast_k, scale, cu_seqlens, ci,
             co, T, DELTA=False, **common)
@@ -1722,6 +1772,24 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
             k, v, beta, lam, last_k, count, G, eta, A, torch.empty_like(A), dx, dG, dw, du, dv, dk, dlast_k,
             dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
+
+
+def _bwd_col_gates_state(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, dlam, scale, eps,
+                         eps_gamma, cu_seqlens, ci, co, m, delta, gates, common_h):
+    """The per-column rules' gates and state paths (_bwd_col_gates, then _bwd_col_state): writes dv, dbeta and dlam,
+    returns (dqa, dxa) for _bwd_col_ds."""
+    B, T, HV, K, V, NT = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'NT'))
+    f32 = dict(device=k.device, dtype=torch.float32)
+    NV = triton.cdiv(V, COL_BV)
+    rowp = torch.empty(NV, B * T, HV, 2, **f32)   # every slot written by its value block's programs
+    _bwd_col_gates[(NV, NT, B * HV)](
+        k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps, eps_gamma,
+        cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, **gates, **common_h)
+    dqa, dxa = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
+    _bwd_col_state[(NT, B * HV)](
+        k, val, beta, lam, last_k, count, G, h, dh, do, dval, rowp, B * T, dqa, dxa, dlam, scale, eps,
+        cu_seqlens, ci, co, T, NV_ROW=NV, DELTA=delta, **gates, **common_h)
+    return dqa, dxa
 
 
 def _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x=None):

@@ -45,10 +45,11 @@ lam_coupled) and the key gradient shifted back onto k / the carried last key.
 Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the chunks' key Gram,
 once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
 solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col`` (chunk.py),
-``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates`` and
-``_bwd_col_ds`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile;
-each step reads one Gram row and one G row from memory and rescales the decayed history tile by
-``exp(G_i - G_{i-1}) <= 1`` (a product of per-step factors, each <= 1, instead of BT x BV exps per step).
+``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates``,
+``_bwd_col_state`` and ``_bwd_col_ds`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta,
+dlam). The substitutions run BT row steps on a [BT, BV] register tile; each step reads one Gram row and one G
+row from memory and rescales the decayed history tile by ``exp(G_i - G_{i-1}) <= 1`` (a product of per-step
+factors, each <= 1, instead of BT x BV exps per step).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     CONFIGS_H,
     _bwd_col_ds,
-    _bwd_col_gates,
+    _bwd_col_gates_state,
     _bwd_dv_local_col,
     _fwd_o_col,
     _load_x,
@@ -288,10 +289,9 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     ds_buf = torch.empty(B, T, HV, BT, **f32)
     dm_buf = torch.empty(B, T, HV, BT, **f32)
-    dqa, dxa = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
-    _bwd_col_gates[(NT, B * HV)](
-        q, k, v, r, beta, lam, last_k, count, G, h, dh, o, do, dr, dqa, dxa, dv, dbeta, dlam, scale, eps, eps_gamma,
-        cu_seqlens, ci, co, T, DELTA=True, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common_h)
+    dqa, dxa = _bwd_col_gates_state(k, v, r, beta, lam, last_k, count, G, h, dh, o, do, dr, dv, dbeta, dlam, scale,
+                                    eps, eps_gamma, cu_seqlens, ci, co, m, True,
+                                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common_h)
     _bwd_col_ds[(NT, B * HV)](
         q, k, r, last_k, count, G, eta, do, dr, dqa, dxa, ds_buf, dm_buf, dq, dk, dlast_k, scale, cu_seqlens, ci, co, T,
         DELTA=True, **common)
