@@ -1036,49 +1036,79 @@ def _intra_col(b_acc, b_S, b_X, b_G, G, bos, i_t, i_hv, last, o_s, m_t, m_v, o_v
         b_acc += _diag_blocks(b_S, b_X, b_G, b_Gf, m_tv, o_s, FWD, dt)
     return b_acc, fast
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+# (4 warps with 3 stages spill 8 B at K = V = 128 bf16; scripts/aot_check.py)
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (8, 3))],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """o_t = scale (exp(G_t) * (q_t^T S0) + sum_{s <= t} (q_t.x_s) exp(G_t - G_s) * u_s) per column, u = eta v, by
+    16-row sub-chunks a of the chunk: the pairs (a, b < a) as 16 x 16 products factored at the last row r of b
+    (exp(G_r - G_s) and exp(G_t - G_r) both <= 1), the diagonal block (a, a) as one product factored at a's first
+    row when the decay inside a spans at most DIAG_SPAN, else one offset at a time. (One [BT, BT] product per
+    sub-chunk, masked, did 6x this work at 255 registers with 8 warps; this form takes 178 at K = V = 128, bf16.)"""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
-    o_t = i_t * BT + o_s
-    m_t = o_t < T
     last = min(i_t * BT + BT, T) - 1
+    o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     b_h = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=(o_k < K)[:, None] & m_v[None, :], other=0)
-    m_tv = m_t[:, None] & m_v[None, :]
-    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-    b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * tl.load(eta + p_tv, mask=m_tv, other=0)
-    b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)
-    b_A = tl.dot(b_q, tl.trans(b_x))
-    # accumulated into b_o: a separate [BT, BV] sum made ptxas spill 16 B (aot_check, sm_90)
-    b_o, fast = _intra_col(b_o, b_A, b_u, b_G, G, bos, i_t, i_hv, last, o_s, m_t, m_v, o_v, HV, V, BT, True,
-                           b_q.dtype)
-    if not fast:
-        for d in range(16):
-            s_t = (o_s // 16) * 16 + d
-            m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
-            b_ad = tl.sum(tl.where(o_s[None, :] == s_t[:, None], b_A, 0.), 1)
-            p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            m_sv = m_d[:, None] & m_v[None, :]
-            b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
-            b_us = tl.load(v + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
-            b_o += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)) * b_us, 0.)
-    tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+    # runtime loops: unrolled (tl.static_range), the 10 block pairs' tiles stayed live and spilled 88-1056 B
+    for a in range(BT // 16):
+        o_t = i_t * BT + a * 16 + o_c
+        m_t = o_t < T
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                      mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)
+        for b in range(a):
+            o_s = i_t * BT + b * 16 + o_c          # rows of sub-chunk b, all real (b < a, and a has real rows
+            m_s = o_s < T                          # or is masked out at the store)
+            m_sv = m_s[:, None] & m_v[None, :]
+            p_sv = ((bos + o_s) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
+            # reference: the last row of b, clamped into the sequence (rows past T read G = 0)
+            b_Gr = tl.load(G + ((bos + min(i_t * BT + b * 16 + 15, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+            b_us = (tl.load(v + p_sv, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_sv, mask=m_sv, other=0)
+                    * tl.exp(tl.where(m_sv, b_Gr[None, :] - tl.load(G + p_sv, mask=m_sv, other=0), 0.)))
+            b_A = tl.dot(b_q, tl.trans(b_x))
+            b_o += tl.where(m_tv, tl.dot(b_A.to(b_q.dtype), b_us.to(b_q.dtype))
+                            * tl.exp(tl.where(m_tv, b_G - b_Gr[None, :], 0.)), 0.)
+        # the diagonal block
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_A = tl.where(o_c[None, :] <= o_c[:, None], tl.dot(b_q, tl.trans(b_x)), 0.)
+        b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * tl.load(eta + p_tv, mask=m_tv, other=0)
+        # (vector masks: the interpreter cannot mix a scalar bool into one)
+        b_Gf = tl.load(G + ((bos + i_t * BT + a * 16) * HV + i_hv) * V + o_v,
+                       mask=m_v & ((i_t * BT + a * 16 + o_v * 0) < T), other=0)
+        span = tl.max(tl.max(tl.where(m_tv, b_Gf[None, :] - b_G, 0.), 1), 0)
+        if span <= DIAG_SPAN:
+            b_uf = tl.where(m_tv, b_u * tl.exp(tl.where(m_tv, b_Gf[None, :] - b_G, 0.)), 0.)
+            b_o += tl.where(m_tv, tl.dot(b_A.to(b_q.dtype), b_uf.to(b_q.dtype))
+                            * tl.exp(tl.where(m_tv, b_G - b_Gf[None, :], 0.)), 0.)
+        else:
+            for d in range(16):
+                s_t = i_t * BT + a * 16 + d
+                m_d = (d <= o_c) & ((s_t + o_c * 0) < T) & m_t
+                b_ad = tl.sum(tl.where(o_c[None, :] == d, b_A, 0.), 1)
+                p_s = ((bos + s_t) * HV + i_hv) * V + o_v
+                m_rv = m_v & ((s_t + o_v * 0) < T)
+                b_Gd = tl.load(G + p_s, mask=m_rv, other=0)
+                b_ud = tl.load(v + p_s, mask=m_rv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_rv, other=0)
+                m_dv = m_d[:, None] & m_v[None, :]
+                b_o += tl.where(m_dv, b_ad[:, None] * tl.exp(tl.where(m_dv, b_G - b_Gd[None, :], 0.)) * b_ud[None, :],
+                                0.)
+        tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
 # 8 warps: with 4, ptxas spills ~100 B at K = V = 128 since the diagonal blocks' tensor-core path (aot_check, sm_90)
