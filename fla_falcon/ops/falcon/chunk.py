@@ -987,55 +987,6 @@ def _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV: tl.constexpr, V: 
     return b_Gf, tl.max(tl.max(tl.where(m_tv, b_Gf - b_G, 0.), 1), 0)
 
 
-@triton.jit
-def _diag_blocks(b_S, b_X, b_G, b_Gf, m_tv, o_s, FWD: tl.constexpr, dt: tl.constexpr):
-    """sum_s S[r, s] exp(G_r - G_s) X_s over the diagonal 16-row blocks (r, s in one sub-chunk) by one tensor-core
-    product factored at the sub-chunk's first row f (the span check of _diag_span keeps the factors finite).
-    FWD: S = [t, s], s <= t (outputs from inputs); else S = [s, t], t >= s with G_r - G_s read as G_s - G_r
-    (input gradients from output gradients)."""
-    if FWD:
-        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] <= o_s[:, None])
-        b_in = tl.where(m_tv, b_X * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
-    else:
-        m_dg = ((o_s[:, None] // 16) == (o_s[None, :] // 16)) & (o_s[None, :] >= o_s[:, None])
-        b_in = tl.where(m_tv, b_X * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
-    b_out = tl.dot(tl.where(m_dg, b_S, 0.).to(dt), b_in.to(dt))
-    if FWD:
-        return tl.where(m_tv, b_out * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
-    else:
-        return tl.where(m_tv, b_out * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.)
-
-
-@triton.jit
-def _intra_col(b_acc, b_S, b_X, b_G, G, bos, i_t, i_hv, last, o_s, m_t, m_v, o_v,
-               HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, FWD: tl.constexpr, dt: tl.constexpr):
-    """b_acc plus the in-chunk product sum_s S[r, s] exp(G_r - G_s) X_s with per-column decays (S, FWD as in
-    _diag_blocks): the blocks below the diagonal by sub-chunk, factored at the row before sub-chunk a (both
-    factors <= 1), and the diagonal blocks when _diag_span allows. Returns (the sum, whether the diagonal blocks
-    are in it); when they are not, the caller adds them one offset at a time."""
-    m_tv = m_t[:, None] & m_v[None, :]
-    for a in tl.static_range(1, BT // 16):
-        # reference row: the sub-chunk boundary clamped to the chunk's last real row, and only real rows
-        # in sub-chunk a: rows past T read G = 0, and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
-        b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        m_a = ((o_s // 16) == a) & m_t
-        m_b = o_s < a * 16
-        if FWD:   # outputs t in sub-chunk a from inputs s before it
-            b_Sa = tl.where(m_a[:, None] & m_b[None, :], b_S, 0.)
-            b_in = tl.where(m_b[:, None], b_X * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-            b_out = tl.dot(b_Sa.to(dt), b_in.to(dt))
-            b_acc += tl.where(m_a[:, None], b_out * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-        else:     # input gradients s before sub-chunk a from output gradients t in it
-            b_Sa = tl.where(m_b[:, None] & m_a[None, :], b_S, 0.)
-            b_in = tl.where(m_a[:, None], b_X * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-            b_out = tl.dot(b_Sa.to(dt), b_in.to(dt))
-            b_acc += tl.where(m_b[:, None], b_out * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-    b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
-    fast = span <= DIAG_SPAN
-    if fast:
-        b_acc += _diag_blocks(b_S, b_X, b_G, b_Gf, m_tv, o_s, FWD, dt)
-    return b_acc, fast
-
 # (4 warps with 3 stages spill 8 B at K = V = 128 bf16; scripts/aot_check.py)
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (8, 3))],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
@@ -1111,47 +1062,75 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
         tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
-# 8 warps: with 4, ptxas spills ~100 B at K = V = 128 since the diagonal blocks' tensor-core path (aot_check, sm_90)
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+# (4 warps with 3 stages: see _fwd_o_col)
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (8, 3))],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
                       cu_seqlens, chunk_indices, chunk_offsets, T,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t, per column."""
+    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t, per column, by 16-row sub-chunks b (rows s): the
+    later sub-chunks a as 16 x 16 products factored at b's last row r (exp(G_t - G_r) <= 1 on the inputs, one
+    exp(G_r - G_s) <= 1 on the sum), the diagonal block factored at b's first row when the decay inside b spans at
+    most DIAG_SPAN, else one offset at a time (as _fwd_o_col, transposed)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
-    o_t = i_t * BT + o_s
-    m_t = o_t < T
     last = min(i_t * BT + BT, T) - 1
+    o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                  mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    m_tv = m_t[:, None] & m_v[None, :]
-    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-    b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-    b_At = tl.dot(b_x, tl.trans(b_q))           # [s, t]
-    b_du, fast = _intra_col(tl.zeros([BT, BV], dtype=tl.float32), b_At, b_do, b_G, G, bos, i_t, i_hv, last, o_s,
-                            m_t, m_v, o_v, HV, V, BT, False, b_q.dtype)
-    if not fast:
-        for d in range(16):
-            t_s = (o_s // 16) * 16 + d
-            m_d = (t_s >= o_s) & ((i_t * BT + t_s) < T)
-            b_ad = tl.sum(tl.where(o_s[None, :] == t_s[:, None], b_At, 0.), 1)
-            p_s = ((bos + i_t * BT + t_s) * HV + i_hv)[:, None] * V + o_v[None, :]
-            m_sv = m_d[:, None] & m_v[None, :]
-            b_Gt = tl.load(G + p_s, mask=m_sv, other=0)
-            b_dot = tl.load(do + p_s, mask=m_sv, other=0).to(tl.float32)
-            b_du += tl.where(m_sv, b_ad[:, None] * tl.exp(tl.where(m_sv, b_Gt - b_G, 0.)) * b_dot, 0.)
-    tl.store(du + p_tv, b_du * scale, mask=m_tv)
+    for b in range(BT // 16):
+        o_s = i_t * BT + b * 16 + o_c
+        m_s = o_s < T
+        m_sv = m_s[:, None] & m_v[None, :]
+        p_sv = ((bos + o_s) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        dt = b_x.dtype
+        b_G = tl.load(G + p_sv, mask=m_sv, other=0)
+        b_Gr = tl.load(G + ((bos + min(i_t * BT + b * 16 + 15, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_du = tl.zeros([16, BV], dtype=tl.float32)
+        for a in range(b + 1, BT // 16):
+            o_t = i_t * BT + a * 16 + o_c
+            m_t = o_t < T
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                          mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+            b_dot = tl.where(m_tv, tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+                             * tl.exp(tl.where(m_tv, tl.load(G + p_tv, mask=m_tv, other=0) - b_Gr[None, :], 0.)), 0.)
+            b_du += tl.dot(tl.dot(b_x, tl.trans(b_q)).to(dt), b_dot.to(dt))
+        b_du = tl.where(m_sv, b_du * tl.exp(tl.where(m_sv, b_Gr[None, :] - b_G, 0.)), 0.)
+        # the diagonal block: [s, t] with t >= s
+        b_q = tl.load(q + ((bos + o_s) * H + i_h)[:, None] * K + o_k[None, :],
+                      mask=m_s[:, None] & (o_k < K)[None, :], other=0)
+        b_At = tl.where(o_c[None, :] >= o_c[:, None], tl.dot(b_x, tl.trans(b_q)), 0.)
+        b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
+        # (vector masks: the interpreter cannot mix a scalar bool into one)
+        b_Gf = tl.load(G + ((bos + i_t * BT + b * 16) * HV + i_hv) * V + o_v,
+                       mask=m_v & ((i_t * BT + b * 16 + o_v * 0) < T), other=0)
+        span = tl.max(tl.max(tl.where(m_sv, b_Gf[None, :] - b_G, 0.), 1), 0)
+        if span <= DIAG_SPAN:
+            b_dof = tl.where(m_sv, b_do * tl.exp(tl.where(m_sv, b_G - b_Gf[None, :], 0.)), 0.)
+            b_du += tl.where(m_sv, tl.dot(b_At.to(dt), b_dof.to(dt))
+                             * tl.exp(tl.where(m_sv, b_Gf[None, :] - b_G, 0.)), 0.)
+        else:
+            for d in range(16):
+                t_d = i_t * BT + b * 16 + d
+                m_d = (d >= o_c) & ((t_d + o_c * 0) < T) & m_s
+                b_ad = tl.sum(tl.where(o_c[None, :] == d, b_At, 0.), 1)
+                p_d = ((bos + t_d) * HV + i_hv) * V + o_v
+                m_rv = m_v & ((t_d + o_v * 0) < T)
+                b_Gd = tl.load(G + p_d, mask=m_rv, other=0)
+                b_dod = tl.load(do + p_d, mask=m_rv, other=0).to(tl.float32)
+                m_dv = m_d[:, None] & m_v[None, :]
+                b_du += tl.where(m_dv, b_ad[:, None] * tl.exp(tl.where(m_dv, b_Gd[None, :] - b_G, 0.))
+                                 * b_dod[None, :], 0.)
+        tl.store(du + p_sv, b_du * scale, mask=m_sv)
 
 
 @triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
