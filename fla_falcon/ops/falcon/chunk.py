@@ -987,6 +987,50 @@ def _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV: tl.constexpr, V: 
     return b_Gf, tl.max(tl.max(tl.where(m_tv, b_Gf - b_G, 0.), 1), 0)
 
 
+@triton.jit
+def _diag16(b_acc, b_S, b_X, b_G, G, X, eta, bos, row0, i_hv, T, o_c, m_r, o_v, m_v,
+            HV: tl.constexpr, V: tl.constexpr, FWD: tl.constexpr, dt: tl.constexpr):
+    """b_acc plus one 16-row sub-chunk's diagonal block of the per-column products, rows r of the sub-chunk
+    starting at row0: FWD, outputs sum_{s <= r} S[r, s] exp(G_r - G_s) X_s (S = q x^T, X = u = eta v); else
+    input gradients sum_{t >= r} S[r, t] exp(G_t - G_r) X_t (S = x q^T, X = do). One tensor-core product factored at
+    the sub-chunk's first row f when the decay inside it spans at most DIAG_SPAN (e^80: the factors stay finite),
+    else one offset d at a time (X[d] read back from X, times eta when FWD)."""
+    m_rv = m_r[:, None] & m_v[None, :]
+    # (vector masks: the interpreter cannot mix a scalar bool into one)
+    b_Gf = tl.load(G + ((bos + row0) * HV + i_hv) * V + o_v, mask=m_v & ((row0 + o_v * 0) < T), other=0)
+    span = tl.max(tl.max(tl.where(m_rv, b_Gf[None, :] - b_G, 0.), 1), 0)
+    if span <= DIAG_SPAN:
+        if FWD:
+            b_in = tl.where(m_rv, b_X * tl.exp(tl.where(m_rv, b_Gf[None, :] - b_G, 0.)), 0.)
+            b_out = tl.dot(b_S.to(dt), b_in.to(dt))
+            b_acc += tl.where(m_rv, b_out * tl.exp(tl.where(m_rv, b_G - b_Gf[None, :], 0.)), 0.)
+        else:
+            b_in = tl.where(m_rv, b_X * tl.exp(tl.where(m_rv, b_G - b_Gf[None, :], 0.)), 0.)
+            b_out = tl.dot(b_S.to(dt), b_in.to(dt))
+            b_acc += tl.where(m_rv, b_out * tl.exp(tl.where(m_rv, b_Gf[None, :] - b_G, 0.)), 0.)
+    else:
+        for d in range(16):
+            r_d = row0 + d
+            if FWD:
+                m_d = (d <= o_c) & ((r_d + o_c * 0) < T) & m_r
+            else:
+                m_d = (d >= o_c) & ((r_d + o_c * 0) < T) & m_r
+            b_sd = tl.sum(tl.where(o_c[None, :] == d, b_S, 0.), 1)
+            p_d = ((bos + r_d) * HV + i_hv) * V + o_v
+            m_dv1 = m_v & ((r_d + o_v * 0) < T)
+            b_Gd = tl.load(G + p_d, mask=m_dv1, other=0)
+            b_xd = tl.load(X + p_d, mask=m_dv1, other=0).to(tl.float32)
+            if FWD:
+                b_xd = b_xd * tl.load(eta + p_d, mask=m_dv1, other=0)
+            m_dv = m_d[:, None] & m_v[None, :]
+            if FWD:
+                b_e = tl.where(m_dv, b_G - b_Gd[None, :], 0.)
+            else:
+                b_e = tl.where(m_dv, b_Gd[None, :] - b_G, 0.)
+            b_acc += tl.where(m_dv, b_sd[:, None] * tl.exp(b_e) * b_xd[None, :], 0.)
+    return b_acc
+
+
 # (4 warps with 3 stages spill 8 B at K = V = 128 bf16; scripts/aot_check.py)
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (8, 3))],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
@@ -1039,26 +1083,8 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
         b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
         b_A = tl.where(o_c[None, :] <= o_c[:, None], tl.dot(b_q, tl.trans(b_x)), 0.)
         b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * tl.load(eta + p_tv, mask=m_tv, other=0)
-        # (vector masks: the interpreter cannot mix a scalar bool into one)
-        b_Gf = tl.load(G + ((bos + i_t * BT + a * 16) * HV + i_hv) * V + o_v,
-                       mask=m_v & ((i_t * BT + a * 16 + o_v * 0) < T), other=0)
-        span = tl.max(tl.max(tl.where(m_tv, b_Gf[None, :] - b_G, 0.), 1), 0)
-        if span <= DIAG_SPAN:
-            b_uf = tl.where(m_tv, b_u * tl.exp(tl.where(m_tv, b_Gf[None, :] - b_G, 0.)), 0.)
-            b_o += tl.where(m_tv, tl.dot(b_A.to(b_q.dtype), b_uf.to(b_q.dtype))
-                            * tl.exp(tl.where(m_tv, b_G - b_Gf[None, :], 0.)), 0.)
-        else:
-            for d in range(16):
-                s_t = i_t * BT + a * 16 + d
-                m_d = (d <= o_c) & ((s_t + o_c * 0) < T) & m_t
-                b_ad = tl.sum(tl.where(o_c[None, :] == d, b_A, 0.), 1)
-                p_s = ((bos + s_t) * HV + i_hv) * V + o_v
-                m_rv = m_v & ((s_t + o_v * 0) < T)
-                b_Gd = tl.load(G + p_s, mask=m_rv, other=0)
-                b_ud = tl.load(v + p_s, mask=m_rv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_rv, other=0)
-                m_dv = m_d[:, None] & m_v[None, :]
-                b_o += tl.where(m_dv, b_ad[:, None] * tl.exp(tl.where(m_dv, b_G - b_Gd[None, :], 0.)) * b_ud[None, :],
-                                0.)
+        b_o = _diag16(b_o, b_A, b_u, b_G, G, v, eta, bos, i_t * BT + a * 16, i_hv, T, o_c, m_t, o_v, m_v, HV, V, True,
+                      b_q.dtype)
         tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -1110,26 +1136,8 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
                       mask=m_s[:, None] & (o_k < K)[None, :], other=0)
         b_At = tl.where(o_c[None, :] >= o_c[:, None], tl.dot(b_x, tl.trans(b_q)), 0.)
         b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
-        # (vector masks: the interpreter cannot mix a scalar bool into one)
-        b_Gf = tl.load(G + ((bos + i_t * BT + b * 16) * HV + i_hv) * V + o_v,
-                       mask=m_v & ((i_t * BT + b * 16 + o_v * 0) < T), other=0)
-        span = tl.max(tl.max(tl.where(m_sv, b_Gf[None, :] - b_G, 0.), 1), 0)
-        if span <= DIAG_SPAN:
-            b_dof = tl.where(m_sv, b_do * tl.exp(tl.where(m_sv, b_G - b_Gf[None, :], 0.)), 0.)
-            b_du += tl.where(m_sv, tl.dot(b_At.to(dt), b_dof.to(dt))
-                             * tl.exp(tl.where(m_sv, b_Gf[None, :] - b_G, 0.)), 0.)
-        else:
-            for d in range(16):
-                t_d = i_t * BT + b * 16 + d
-                m_d = (d >= o_c) & ((t_d + o_c * 0) < T) & m_s
-                b_ad = tl.sum(tl.where(o_c[None, :] == d, b_At, 0.), 1)
-                p_d = ((bos + t_d) * HV + i_hv) * V + o_v
-                m_rv = m_v & ((t_d + o_v * 0) < T)
-                b_Gd = tl.load(G + p_d, mask=m_rv, other=0)
-                b_dod = tl.load(do + p_d, mask=m_rv, other=0).to(tl.float32)
-                m_dv = m_d[:, None] & m_v[None, :]
-                b_du += tl.where(m_dv, b_ad[:, None] * tl.exp(tl.where(m_dv, b_Gd[None, :] - b_G, 0.))
-                                 * b_dod[None, :], 0.)
+        b_du = _diag16(b_du, b_At, b_do, b_G, G, do, do, bos, i_t * BT + b * 16, i_hv, T, o_c, m_s, o_v, m_v, HV, V,
+                       False, dt)
         tl.store(du + p_sv, b_du * scale, mask=m_sv)
 
 
