@@ -16,6 +16,8 @@
 #   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
 #   PRE_BENCH arguments of benchmarks/benchmark_chunk.py run first, before TESTS and MODELS (the GPU to itself
 #             but for WARM's few steps), e.g. a --profile of the chunk kernels; output in /tmp/L/prebench
+#   ACCURACY  run benchmarks/accuracy_chunk.py (bf16 forward error vs fp64) after PRE_BENCH with these
+#             arguments ("-" for its defaults); output in /tmp/L/accuracy
 #   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
 set -x
 L=/tmp/L
@@ -40,6 +42,11 @@ if [ -n "${PRE_BENCH:-}" ]; then
     stage "pre-bench"
     taskset -c 0-7 python3 benchmarks/benchmark_chunk.py $PRE_BENCH --out $L/prebench > $L/prebench.log 2>&1
     stage "pre-bench done"
+fi
+if [ -n "${ACCURACY:-}" ]; then
+    stage "accuracy"
+    taskset -c 0-7 python3 benchmarks/accuracy_chunk.py ${ACCURACY#-} --out $L/accuracy > $L/accuracy.log 2>&1
+    stage "accuracy done"
 fi
 (
   if [ -n "${TESTS:-}" ]; then

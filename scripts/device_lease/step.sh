@@ -26,9 +26,10 @@ echo "=== profile"; grep -E "^==|ms " $L/profile.log 2>/dev/null | head -n 60
 echo "=== paper"; grep -E "ok,|SKIPPED|failed|Error" $L/paper.log 2>/dev/null | cut -c1-200 | tail -n 30
 for f in $L/probe/*/log; do [ -f "$f" ] && { echo "=== $f: $(cat ${f%log}args)"; grep -E "ok,|SKIPPED|step [0-9]+0000/" "$f" | cut -c1-160 | tail -n 8; }; done
 echo "=== prebench"; grep -E "ms |^## |^\| (_|chunk|fal)" $L/prebench.log 2>/dev/null | head -n 80
+echo "=== accuracy"; grep "^|" $L/accuracy.log $L/accuracy/*.md 2>/dev/null | tail -n 9
 echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
-    chain.log stage tests* profile.log warm.log paper.log paper probe prebench.log prebench bench.log bench 2>/dev/null
+    chain.log stage tests* profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench 2>/dev/null
 if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
     tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
