@@ -15,7 +15,7 @@ if [ ! -f $L/started ]; then
     setsid bash /tmp/br/scripts/device_lease/chain.sh > $L/chain.log 2>&1 < /dev/null &
 fi
 end=$((SECONDS + S))
-while [ $SECONDS -lt $end ]; do
+while [ $SECONDS -lt $end ] && ! grep -q " done$" <(tail -n 1 $L/stage 2>/dev/null); do
     sleep 60
     echo "--- $(date +%T) $(ls $L/paper/runs 2>/dev/null | grep -vc spec) runs done;" \
          "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader); $(tail -n 1 $L/stage 2>/dev/null)"
