@@ -101,6 +101,10 @@ def install(arch: int) -> None:
             rec.update(_resources(kernel.asm['cubin']), ok=True)
             # Triton's shared memory is dynamic (cuobjdump's SHARED is the static part only)
             rec['shared'] = int(kernel.metadata.shared)
+            # tensor-core instructions: Hopper's wgmma needs 64-row tiles per warp group; smaller dots fall back to
+            # the older mma.sync (about half the throughput)
+            ptx = kernel.asm.get('ptx', '')
+            rec['mma'] = f"wgmma={ptx.count('wgmma.mma_async')} mma={ptx.count('mma.sync')}"
             limit = MAX_SHARED.get(arch)
             if limit is not None and rec['shared'] > limit:
                 rec.update(ok=False, error=f"OutOfResources at launch: shared memory {rec['shared']} > {limit}")
@@ -112,7 +116,7 @@ def install(arch: int) -> None:
             COMPILED.append(rec)
             status = 'ok' if rec['ok'] else 'FAILED ' + rec['error']
             print(f"  {name:28s} {str(cfg):60s} regs={rec.get('regs')} stack={rec.get('stack')} "
-                  f"smem={rec.get('shared')} {rec.get('secs', 0):.1f}s {status}", flush=True)
+                  f"smem={rec.get('shared')} {rec.get('mma', '')} {rec.get('secs', 0):.1f}s {status}", flush=True)
         return None
 
     JITFunction.run = run

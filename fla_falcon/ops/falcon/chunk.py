@@ -964,15 +964,15 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
 
 
 # ----------------------------------------------------------------------------------------------
-# falcon2a: per-column decays. Inside a chunk, exp(G_t - G_s) differs per value column, so the
-# intra-chunk products are split by 16-row sub-chunks: for t in sub-chunk a and s before it,
-# exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r the last row before sub-chunk a (both
-# factors <= 1, a tensor-core product between them); the diagonal 16x16 blocks go one offset d at
-# a time (rows s = 16 (t // 16) + d gathered from memory), elementwise in fp32, unless every sub-chunk's
-# decay span (G at its first row minus G at its rows, over all columns) is <= DIAG_SPAN: then
-# exp(G_t - G_s) = exp(G_t - G_f) exp(G_f - G_s) with f the sub-chunk's first row, one masked tensor-core
-# product for all four diagonal blocks (factors in [e^-80, e^80]: no fp32 or bf16 overflow or underflow).
-# Strong decay (the clamp active for a few steps in a row) takes the exact per-offset path.
+# falcon2a: per-column decays. Inside a chunk, exp(G_t - G_s) differs per value column, so it cannot be folded
+# into a [BT, BT] score matrix as GLA folds its per-key decays. The intra-chunk products go by 16-row sub-chunks,
+# each factored at one reference row r: exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), one factor on each side of
+# a tensor-core product. With r the first row of the output sub-chunk (outputs; the last row of the input
+# sub-chunk for dU), every factor is <= 1 except inside the sub-chunk itself, where it is at most e^span, span =
+# the decay across the sub-chunk (max over columns of G_f - G_t): when span <= DIAG_SPAN (factors in
+# [e^-80, e^80]: no fp32 or bf16 overflow), one product covers the whole causal range. Strong decay (the clamp
+# active for a few steps in a row) takes the exact path: the other sub-chunks factored at the boundary row (both
+# factors <= 1) and the diagonal 16 x 16 block one offset at a time, elementwise in fp32 (_diag16_offsets).
 # ----------------------------------------------------------------------------------------------
 
 DIAG_SPAN = tl.constexpr(80.0)
@@ -988,51 +988,33 @@ def _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV: tl.constexpr, V: 
 
 
 @triton.jit
-def _diag16(b_acc, b_S, b_X, b_G, G, X, eta, bos, row0, i_hv, T, o_c, m_r, o_v, m_v,
-            HV: tl.constexpr, V: tl.constexpr, FWD: tl.constexpr, dt: tl.constexpr):
-    """b_acc plus one 16-row sub-chunk's diagonal block of the per-column products, rows r of the sub-chunk
-    starting at row0: FWD, outputs sum_{s <= r} S[r, s] exp(G_r - G_s) X_s (S = q x^T, X = u = eta v); else
-    input gradients sum_{t >= r} S[r, t] exp(G_t - G_r) X_t (S = x q^T, X = do). One tensor-core product factored at
-    the sub-chunk's first row f when the decay inside it spans at most DIAG_SPAN (e^80: the factors stay finite),
-    else one offset d at a time (X[d] read back from X, times eta when FWD)."""
-    m_rv = m_r[:, None] & m_v[None, :]
-    # (vector masks: the interpreter cannot mix a scalar bool into one)
-    b_Gf = tl.load(G + ((bos + row0) * HV + i_hv) * V + o_v, mask=m_v & ((row0 + o_v * 0) < T), other=0)
-    span = tl.max(tl.max(tl.where(m_rv, b_Gf[None, :] - b_G, 0.), 1), 0)
-    if span <= DIAG_SPAN:
+def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m_vc, o_v, m_v,
+                    HV: tl.constexpr, V: tl.constexpr, FWD: tl.constexpr):
+    """b_acc [BV, 16], transposed (columns c: the rows r_c = row0 + 0..15 of one sub-chunk), plus that sub-chunk's
+    diagonal block one offset d at a time, elementwise in fp32: the exact path when the decay inside it spans more
+    than DIAG_SPAN. P [BT, 16] holds the chunk's rows r_p against the sub-chunk's, masked to the causal side.
+    FWD: sum_{d <= c} P[row0 + d, c] exp(G_c - G_d) eta_d X_d; else sum_{d >= c} P[row0 + d, c] exp(G_d - G_c) X_d."""
+    for d in range(16):
+        r_d = row0 + d
+        b_pd = tl.sum(tl.where((r_p == r_d)[:, None], b_P, 0.), 0)
+        p_d = ((bos + r_d) * HV + i_hv) * V + o_v
+        # (vector masks: the interpreter cannot mix a scalar bool into one)
+        m_d1 = m_v & ((r_d + o_v * 0) < T)
+        b_Gd = tl.load(G + p_d, mask=m_d1, other=0)
+        b_xd = tl.load(X + p_d, mask=m_d1, other=0).to(tl.float32)
+        # the exponent is masked to the causal side of real rows: elsewhere it may be large and positive
         if FWD:
-            b_in = tl.where(m_rv, b_X * tl.exp(tl.where(m_rv, b_Gf[None, :] - b_G, 0.)), 0.)
-            b_out = tl.dot(b_S.to(dt), b_in.to(dt))
-            b_acc += tl.where(m_rv, b_out * tl.exp(tl.where(m_rv, b_G - b_Gf[None, :], 0.)), 0.)
+            b_xd = b_xd * tl.load(eta + p_d, mask=m_d1, other=0)
+            m_dc = m_vc & ((r_c >= r_d) & ((r_d + r_c * 0) < T))[None, :]
+            b_e = tl.where(m_dc, b_Gc - b_Gd[:, None], 0.)
         else:
-            b_in = tl.where(m_rv, b_X * tl.exp(tl.where(m_rv, b_G - b_Gf[None, :], 0.)), 0.)
-            b_out = tl.dot(b_S.to(dt), b_in.to(dt))
-            b_acc += tl.where(m_rv, b_out * tl.exp(tl.where(m_rv, b_Gf[None, :] - b_G, 0.)), 0.)
-    else:
-        for d in range(16):
-            r_d = row0 + d
-            if FWD:
-                m_d = (d <= o_c) & ((r_d + o_c * 0) < T) & m_r
-            else:
-                m_d = (d >= o_c) & ((r_d + o_c * 0) < T) & m_r
-            b_sd = tl.sum(tl.where(o_c[None, :] == d, b_S, 0.), 1)
-            p_d = ((bos + r_d) * HV + i_hv) * V + o_v
-            m_dv1 = m_v & ((r_d + o_v * 0) < T)
-            b_Gd = tl.load(G + p_d, mask=m_dv1, other=0)
-            b_xd = tl.load(X + p_d, mask=m_dv1, other=0).to(tl.float32)
-            if FWD:
-                b_xd = b_xd * tl.load(eta + p_d, mask=m_dv1, other=0)
-            m_dv = m_d[:, None] & m_v[None, :]
-            if FWD:
-                b_e = tl.where(m_dv, b_G - b_Gd[None, :], 0.)
-            else:
-                b_e = tl.where(m_dv, b_Gd[None, :] - b_G, 0.)
-            b_acc += tl.where(m_dv, b_sd[:, None] * tl.exp(b_e) * b_xd[None, :], 0.)
+            m_dc = m_vc & ((r_c <= r_d) & ((r_d + r_c * 0) < T))[None, :]
+            b_e = tl.where(m_dc, b_Gd[:, None] - b_Gc, 0.)
+        b_acc += tl.where(m_dc, b_xd[:, None] * b_pd[None, :] * tl.exp(b_e), 0.)
     return b_acc
 
 
-# (4 warps with 3 stages spill 8 B at K = V = 128 bf16; scripts/aot_check.py)
-@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (8, 3))],
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
@@ -1040,56 +1022,65 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """o_t = scale (exp(G_t) * (q_t^T S0) + sum_{s <= t} (q_t.x_s) exp(G_t - G_s) * u_s) per column, u = eta v, by
-    16-row sub-chunks a of the chunk: the pairs (a, b < a) as 16 x 16 products factored at the last row r of b
-    (exp(G_r - G_s) and exp(G_t - G_r) both <= 1), the diagonal block (a, a) as one product factored at a's first
-    row when the decay inside a spans at most DIAG_SPAN, else one offset at a time. (One [BT, BT] product per
-    sub-chunk, masked, did 6x this work at 255 registers with 8 warps; this form takes 178 at K = V = 128, bf16.)"""
+    """o_t = scale (exp(G_t) * (q_t^T S0) + sum_{s <= t} (q_t.x_s) exp(G_t - G_s) * u_s) per column, u = eta v.
+
+    Computed transposed, a [BV, 16] tile per 16-row sub-chunk a of output rows, so that every product has BV or BT
+    rows (Hopper's tensor-core tiles have 64; with 16-row products this kernel took 849 us where fla's simple-GLA
+    output kernel takes 131). For each a, one product over all s <= t factored at a's first row f:
+    exp(G_t - G_f) <= 1 outside, exp(G_f - G_s) <= 1 for s < f and <= e^DIAG_SPAN inside a when the decay there
+    spans at most DIAG_SPAN; else the earlier rows factored at the row before f (both factors <= 1) and the
+    diagonal block one offset at a time."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    last = min(i_t * BT + BT, T) - 1
+    dt = q.dtype.element_ty
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
+    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    b_h = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=(o_k < K)[:, None] & m_v[None, :], other=0)
-    # runtime loops: unrolled (tl.static_range), the 10 block pairs' tiles stayed live and spilled 88-1056 B
+    # the chunk's rows s: x [BT, BK], G and u transposed [BV, BT]; the state transposed [BV, BK]
+    r_s = i_t * BT + tl.arange(0, BT)
+    m_s = r_s < T
+    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, r_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    m_vs = m_v[:, None] & m_s[None, :]
+    p_vs = ((bos + r_s) * HV + i_hv)[None, :] * V + o_v[:, None]
+    b_Gs = tl.load(G + p_vs, mask=m_vs, other=0)
+    b_us = tl.load(v + p_vs, mask=m_vs, other=0).to(tl.float32) * tl.load(eta + p_vs, mask=m_vs, other=0)
+    b_hT = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[None, :] * V + o_v[:, None],
+                   mask=m_v[:, None] & m_k[None, :], other=0).to(dt)
     for a in range(BT // 16):
-        o_t = i_t * BT + a * 16 + o_c
-        m_t = o_t < T
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                      mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)
-        for b in range(a):
-            o_s = i_t * BT + b * 16 + o_c          # rows of sub-chunk b, all real (b < a, and a has real rows
-            m_s = o_s < T                          # or is masked out at the store)
-            m_sv = m_s[:, None] & m_v[None, :]
-            p_sv = ((bos + o_s) * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
-            # reference: the last row of b, clamped into the sequence (rows past T read G = 0)
-            b_Gr = tl.load(G + ((bos + min(i_t * BT + b * 16 + 15, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-            b_us = (tl.load(v + p_sv, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_sv, mask=m_sv, other=0)
-                    * tl.exp(tl.where(m_sv, b_Gr[None, :] - tl.load(G + p_sv, mask=m_sv, other=0), 0.)))
-            b_A = tl.dot(b_q, tl.trans(b_x))
-            b_o += tl.where(m_tv, tl.dot(b_A.to(b_q.dtype), b_us.to(b_q.dtype))
-                            * tl.exp(tl.where(m_tv, b_G - b_Gr[None, :], 0.)), 0.)
-        # the diagonal block
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-        b_A = tl.where(o_c[None, :] <= o_c[:, None], tl.dot(b_q, tl.trans(b_x)), 0.)
-        b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * tl.load(eta + p_tv, mask=m_tv, other=0)
-        b_o = _diag16(b_o, b_A, b_u, b_G, G, v, eta, bos, i_t * BT + a * 16, i_hv, T, o_c, m_t, o_v, m_v, HV, V, True,
-                      b_q.dtype)
-        tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+        f = i_t * BT + a * 16
+        r_t = f + o_c
+        m_t = r_t < T
+        m_vt = m_v[:, None] & m_t[None, :]
+        p_vt = ((bos + r_t) * HV + i_hv)[None, :] * V + o_v[:, None]
+        b_qT = tl.load(q + ((bos + r_t) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                       other=0)
+        b_Gt = tl.load(G + p_vt, mask=m_vt, other=0)
+        b_o = tl.dot(b_hT, b_qT) * tl.exp(b_Gt)
+        # x_s . q_t for s <= t: [BT, 16]
+        b_At = tl.where(r_s[:, None] <= r_t[None, :], tl.dot(b_x, b_qT), 0.)
+        b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
+        span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_Gt, 0.), 1), 0)
+        if span <= DIAG_SPAN:
+            m_in = m_vs & (r_s < f + 16)[None, :]
+            b_Gr = b_Gf
+        else:
+            # rows s < f: G at the row before f (a = 0 has none: the load is masked, m_in empty)
+            m_in = m_vs & (r_s < f)[None, :]
+            b_Gr = tl.load(G + ((bos + f - 1) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) > i_t * BT),
+                           other=0)
+        b_in = tl.where(m_in, b_us * tl.exp(tl.where(m_in, b_Gr[:, None] - b_Gs, 0.)), 0.)
+        b_o += tl.where(m_vt, tl.dot(b_in.to(dt), b_At.to(dt)) * tl.exp(tl.where(m_vt, b_Gt - b_Gr[:, None], 0.)), 0.)
+        if span > DIAG_SPAN:
+            b_o = _diag16_offsets(b_o, b_At, r_s, v, eta, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
+                                  m_v, HV, V, True)
+        tl.store(o + p_vt, (b_o * scale).to(o.dtype.element_ty), mask=m_vt)
 
 
-# (4 warps with 3 stages: see _fwd_o_col)
-@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 2), (8, 2), (8, 3))],
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
@@ -1097,48 +1088,54 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t, per column, by 16-row sub-chunks b (rows s): the
-    later sub-chunks a as 16 x 16 products factored at b's last row r (exp(G_t - G_r) <= 1 on the inputs, one
-    exp(G_r - G_s) <= 1 on the sum), the diagonal block factored at b's first row when the decay inside b spans at
-    most DIAG_SPAN, else one offset at a time (as _fwd_o_col, transposed)."""
+    """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t per column, transposed as _fwd_o_col: a [BV, 16]
+    tile per 16-row sub-chunk b of rows s, one product over all t >= s factored at b's last row l
+    (exp(G_l - G_s) <= 1 outside, exp(G_t - G_l) <= 1 for t > l and <= e^DIAG_SPAN inside b when the decay there
+    spans at most DIAG_SPAN; else only the rows after b in the product and the diagonal block one offset at a
+    time)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    dt = q.dtype.element_ty
     last = min(i_t * BT + BT, T) - 1
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
+    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
+    # the chunk's rows t: q [BT, BK], G and do transposed [BV, BT]
+    r_t = i_t * BT + tl.arange(0, BT)
+    m_t = r_t < T
+    b_q = tl.load(q + ((bos + r_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+    m_vt = m_v[:, None] & m_t[None, :]
+    p_vt = ((bos + r_t) * HV + i_hv)[None, :] * V + o_v[:, None]
+    b_Gt = tl.load(G + p_vt, mask=m_vt, other=0)
+    b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
     for b in range(BT // 16):
-        o_s = i_t * BT + b * 16 + o_c
-        m_s = o_s < T
-        m_sv = m_s[:, None] & m_v[None, :]
-        p_sv = ((bos + o_s) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
-        dt = b_x.dtype
-        b_G = tl.load(G + p_sv, mask=m_sv, other=0)
-        b_Gr = tl.load(G + ((bos + min(i_t * BT + b * 16 + 15, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_du = tl.zeros([16, BV], dtype=tl.float32)
-        for a in range(b + 1, BT // 16):
-            o_t = i_t * BT + a * 16 + o_c
-            m_t = o_t < T
-            m_tv = m_t[:, None] & m_v[None, :]
-            p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                          mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-            b_dot = tl.where(m_tv, tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-                             * tl.exp(tl.where(m_tv, tl.load(G + p_tv, mask=m_tv, other=0) - b_Gr[None, :], 0.)), 0.)
-            b_du += tl.dot(tl.dot(b_x, tl.trans(b_q)).to(dt), b_dot.to(dt))
-        b_du = tl.where(m_sv, b_du * tl.exp(tl.where(m_sv, b_Gr[None, :] - b_G, 0.)), 0.)
-        # the diagonal block: [s, t] with t >= s
-        b_q = tl.load(q + ((bos + o_s) * H + i_h)[:, None] * K + o_k[None, :],
-                      mask=m_s[:, None] & (o_k < K)[None, :], other=0)
-        b_At = tl.where(o_c[None, :] >= o_c[:, None], tl.dot(b_x, tl.trans(b_q)), 0.)
-        b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
-        b_du = _diag16(b_du, b_At, b_do, b_G, G, do, do, bos, i_t * BT + b * 16, i_hv, T, o_c, m_s, o_v, m_v, HV, V,
-                       False, dt)
-        tl.store(du + p_sv, b_du * scale, mask=m_sv)
+        f = i_t * BT + b * 16
+        r_s = f + o_c
+        m_s = r_s < T
+        m_vs = m_v[:, None] & m_s[None, :]
+        p_vs = ((bos + r_s) * HV + i_hv)[None, :] * V + o_v[:, None]
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, r_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_Gs = tl.load(G + p_vs, mask=m_vs, other=0)
+        # q_t . x_s for t >= s: [BT, 16]
+        b_A = tl.where(r_t[:, None] >= r_s[None, :], tl.dot(b_q, tl.trans(b_x)), 0.)
+        # G at b's last real row (none when b is past the sequence's end: every mask below is then empty)
+        b_Gl = tl.load(G + ((bos + min(f + 15, last)) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) <= last),
+                       other=0)
+        span = tl.max(tl.max(tl.where(m_vs, b_Gs - b_Gl[:, None], 0.), 1), 0)
+        if span <= DIAG_SPAN:
+            m_in = m_vt & (r_t >= f)[None, :]
+        else:
+            m_in = m_vt & (r_t >= f + 16)[None, :]
+        b_in = tl.where(m_in, b_doT * tl.exp(tl.where(m_in, b_Gt - b_Gl[:, None], 0.)), 0.)
+        b_du = tl.where(m_vs, tl.dot(b_in.to(dt), b_A.to(dt)) * tl.exp(tl.where(m_vs, b_Gl[:, None] - b_Gs, 0.)), 0.)
+        if span > DIAG_SPAN:
+            b_du = _diag16_offsets(b_du, b_A, r_t, do, do, G, b_Gs, bos, f, i_hv, T, r_s, m_vs, o_v,
+                                   m_v, HV, V, False)
+        tl.store(du + p_vs, b_du * scale, mask=m_vs)
 
 
 @triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
