@@ -979,15 +979,6 @@ DIAG_SPAN = tl.constexpr(80.0)
 
 
 @triton.jit
-def _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """(G at the first row of each row's 16-row sub-chunk [BT, BV], the largest G_f - G_s over real entries)."""
-    m_tv = m_t[:, None] & m_v[None, :]
-    p_f = ((bos + i_t * BT + (o_s // 16) * 16) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_Gf = tl.load(G + p_f, mask=m_tv, other=0)
-    return b_Gf, tl.max(tl.max(tl.where(m_tv, b_Gf - b_G, 0.), 1), 0)
-
-
-@triton.jit
 def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m_vc, o_v, m_v,
                     HV: tl.constexpr, V: tl.constexpr, FWD: tl.constexpr):
     """b_acc [BV, 16], transposed (columns c: the rows r_c = row0 + 0..15 of one sub-chunk), plus that sub-chunk's
@@ -1286,7 +1277,8 @@ def _bwd_col_state(k, val, beta, lam, last_k, count, G, h, dh, do, dval, rowp, N
         tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm_buf,
                 dq, dk, dlast_k, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1295,92 +1287,100 @@ def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm
                 SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The per-column rules per chunk, second kernel: the intra-chunk products ds_ts = sum_v do_t u_s
     exp(G_t - G_s) (falcon2: and the Gram path dM[t, j] = -sum_v a_t u_j exp(Gx_t - G_j)), then
-    dq = dqa + ds x and dx = ds^T q + dxa (+ (dM + dM^T) x), written as dk (shifted back by one row)."""
+    dq = dqa + ds x and dx = ds^T q + dxa (+ (dM + dM^T) x), written as dk (shifted back by one row).
+
+    ds is built transposed, [BT, 16] per 16-row sub-chunk a of rows t (64-row products: Hopper's wgmma), one
+    product over all s <= t factored at a's first row as in _fwd_o_col, and written to ds_buf, from which the
+    dq and dx products read it back in both orientations."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    dt = k.dtype.element_ty
     o_s = tl.arange(0, BT)
     o_t = i_t * BT + o_s
     m_t = o_t < T
-    last = min(i_t * BT + BT, T) - 1
+    o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    dt = b_xl.dtype
-    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dsd = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dm = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dmd = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
-        b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+    for a in range(BT // 16):
+        f = i_t * BT + a * 16
+        r_a = f + o_c
+        m_a = r_a < T
+        b_dsT = tl.zeros([BT, 16], dtype=tl.float32)
+        b_dmT = tl.zeros([BT, 16], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            # the chunk's rows s [BT, BV]; a's rows t transposed [BV, 16]
+            m_sv = m_t[:, None] & m_v[None, :]
+            p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_G = tl.load(G + p_sv, mask=m_sv, other=0)
+            b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
+            m_vt = m_v[:, None] & m_a[None, :]
+            p_vt = ((bos + r_a) * HV + i_hv)[None, :] * V + o_v[:, None]
+            b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
+            b_GtT = tl.load(G + p_vt, mask=m_vt, other=0)
+            b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
+            span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_GtT, 0.), 1), 0)
+            if DELTA:
+                b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
+                # Gx_t = G_{t-1} (0 before the chunk's first row: G is the chunk-local cumsum)
+                b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (r_a > i_t * BT)[None, :], other=0)
+                span = tl.maximum(span, tl.max(tl.max(tl.where(m_vt, b_GxT - b_Gf[:, None], 0.), 1), 0))
+            if span <= DIAG_SPAN:
+                m_in = m_sv & (o_t < f + 16)[:, None]
+                b_Gr = b_Gf
+            else:
+                # rows s < f only, factored at the row before f (a = 0 has none)
+                m_in = m_sv & (o_t < f)[:, None]
+                b_Gr = tl.load(G + ((bos + f - 1) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) > i_t * BT),
+                               other=0)
+            b_ur = tl.where(m_in, b_u * tl.exp(tl.where(m_in, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
+            b_dor = tl.where(m_vt, b_doT * tl.exp(tl.where(m_vt, b_GtT - b_Gr[:, None], 0.)), 0.)
+            b_dsT += tl.dot(b_ur, b_dor.to(dt))
+            if DELTA:
+                b_ar = tl.where(m_vt, b_aT * tl.exp(tl.where(m_vt, b_GxT - b_Gr[:, None], 0.)), 0.)
+                b_dmT += tl.dot(b_ur, b_ar.to(dt))
+            if span > DIAG_SPAN:
+                # a's diagonal block one row s = f + d at a time, elementwise in fp32
+                for d in range(16):
+                    r_d = f + d
+                    p_d = ((bos + r_d) * HV + i_hv) * V + o_v
+                    m_d1 = m_v & ((r_d + o_v * 0) < T)
+                    b_Gd = tl.load(G + p_d, mask=m_d1, other=0)
+                    b_ud = tl.load(eta + p_d, mask=m_d1, other=0) * tl.load(val + p_d, mask=m_d1, other=0).to(tl.float32)
+                    m_dt = m_vt & ((r_a >= r_d) & ((r_d + o_c * 0) < T))[None, :]
+                    b_sum = tl.sum(tl.where(m_dt, b_doT * b_ud[:, None]
+                                            * tl.exp(tl.where(m_dt, b_GtT - b_Gd[:, None], 0.)), 0.), 0)
+                    # a float factor: a bool mask must not be converted into the dot accumulator's layout
+                    b_row = (o_t == r_d).to(tl.float32)
+                    b_dsT += b_row[:, None] * b_sum[None, :]
+                    if DELTA:
+                        m_dd = m_vt & ((r_a > r_d) & ((r_d + o_c * 0) < T))[None, :]
+                        b_sum2 = tl.sum(tl.where(m_dd, b_aT * b_ud[:, None]
+                                                 * tl.exp(tl.where(m_dd, b_GxT - b_Gd[:, None], 0.)), 0.), 0)
+                        b_dmT += b_row[:, None] * b_sum2[None, :]
+        # ds[t, s] for t in a, s <= t (dM: s < t), into the scratch rows of a
+        p_aT = ((bos + r_a) * HV + i_hv)[None, :] * BT + o_s[:, None]
+        tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= r_a[None, :], b_dsT, 0.) * scale, mask=m_a[None, :])
         if DELTA:
-            b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
-            b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
-        # ds_ts = sum_v do_t u_s exp(G_t - G_s) (and dM): sub-chunks below the diagonal by tensor cores
-        for a in tl.static_range(1, BT // 16):
-            # reference row clamped into the sequence, real rows only (see _fwd_o_col)
-            b_Gr = tl.load(G + ((bos + min(i_t * BT + a * 16 - 1, last)) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-            m_a = ((o_s // 16) == a) & m_t
-            m_b = o_s < a * 16
-            b_doa = tl.where(m_a[:, None], b_do * tl.exp(tl.where(m_a[:, None], b_G - b_Gr[None, :], 0.)), 0.)
-            b_ua = tl.where(m_b[:, None], b_u * tl.exp(tl.where(m_b[:, None], b_Gr[None, :] - b_G, 0.)), 0.)
-            b_ds += tl.dot(b_doa.to(dt), tl.trans(b_ua.to(dt)))
-            if DELTA:
-                b_aa = tl.where(m_a[:, None], b_a * tl.exp(tl.where(m_a[:, None], b_Gx - b_Gr[None, :], 0.)), 0.)
-                b_dm += tl.dot(b_aa.to(dt), tl.trans(b_ua.to(dt)))
-        # ... and the diagonal blocks: one tensor-core product factored at each sub-chunk's first row f when
-        # the decay spans at most DIAG_SPAN there (Gx_t - G_f <= 0 too for t > f), else one offset at a time
-        b_Gf, span = _diag_span(G, bos, i_t, i_hv, o_s, m_t, m_v, o_v, b_G, HV, V, BT)
-        if span <= DIAG_SPAN:
-            # the float factor keeps the sub-chunk mask out of the dot layout (as b_dsd below)
-            b_same = ((o_s[:, None] // 16) == (o_s[None, :] // 16)).to(tl.float32)
-            b_uf = tl.where(m_tv, b_u * tl.exp(tl.where(m_tv, b_Gf - b_G, 0.)), 0.).to(dt)
-            b_dof = tl.where(m_tv, b_do * tl.exp(tl.where(m_tv, b_G - b_Gf, 0.)), 0.)
-            b_dsd += b_same * tl.dot(b_dof.to(dt), tl.trans(b_uf))
-            if DELTA:
-                m_x = m_tv & ((o_s % 16) != 0)[:, None]
-                b_af = tl.where(m_x, b_a * tl.exp(tl.where(m_x, b_Gx - b_Gf, 0.)), 0.)
-                b_dmd += b_same * tl.dot(b_af.to(dt), tl.trans(b_uf))
-        else:
-            for d in range(16):
-                s_t = (o_s // 16) * 16 + d
-                m_d = (s_t <= o_s) & ((i_t * BT + s_t) < T) & m_t
-                p_s = ((bos + i_t * BT + s_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-                m_sv = m_d[:, None] & m_v[None, :]
-                b_Gs = tl.load(G + p_s, mask=m_sv, other=0)
-                b_us = tl.load(val + p_s, mask=m_sv, other=0).to(tl.float32) * tl.load(eta + p_s, mask=m_sv, other=0)
-                b_sum = tl.sum(tl.where(m_sv, b_do * b_us * tl.exp(tl.where(m_sv, b_G - b_Gs, 0.)), 0.), 1)
-                # a separate accumulator: a bool mask must not be converted into the dot layout
-                b_dsd += ((o_s[None, :] == s_t[:, None]) & m_d[:, None]).to(tl.float32) * b_sum[:, None]
-                if DELTA:
-                    m_dd = m_d & (s_t < o_s)
-                    m_sv2 = m_dd[:, None] & m_v[None, :]
-                    b_sum2 = tl.sum(tl.where(m_sv2, b_a * b_us * tl.exp(tl.where(m_sv2, b_Gx - b_Gs, 0.)), 0.), 1)
-                    b_dmd += ((o_s[None, :] == s_t[:, None]) & m_dd[:, None]).to(tl.float32) * b_sum2[:, None]
-    b_ds = tl.where(o_s[:, None] >= o_s[None, :], b_ds + b_dsd, 0.) * scale
-    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    b_dq = tl.load(dqa + p_tk, mask=m_tk, other=0) + tl.dot(b_ds.to(dt), b_xl)
-    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    # ds^T (and dM^T) through scratch buffers (a transposed dot result fed into tl.dot miscompiles on Hopper)
+            tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < r_a[None, :], b_dmT, 0.), mask=m_a[None, :])
+    # ds^T (and dM^T) read back transposed from the scratch (tl.trans of a dot result fed into tl.dot
+    # miscompiles on Hopper)
+    tl.debug_barrier()
+    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
     p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
-    tl.store(ds_buf + p_A, b_ds, mask=m_t[:, None])
-    if DELTA:
-        b_dm = -tl.where(o_s[:, None] > o_s[None, :], b_dm + b_dmd, 0.)
-        tl.store(dm_buf + p_A, b_dm, mask=m_t[:, None])
-    tl.debug_barrier()
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    b_ds = tl.load(ds_buf + p_A, mask=m_t[:, None], other=0)
+    b_dq = tl.load(dqa + p_tk, mask=m_tk, other=0) + tl.dot(b_ds.to(dt), b_xl)
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
     b_dx = tl.dot(b_dst.to(dt), b_q) + tl.load(dxa + p_tk, mask=m_tk, other=0)
     if DELTA:
+        b_dm = tl.load(dm_buf + p_A, mask=m_t[:, None], other=0)
         b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
         b_dx += tl.dot((b_dm + b_dmt).to(dt), b_xl)   # the Gram path: d(x_t.x_j) into both keys
     _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE,
