@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICE
 
 from evals.addition import torch_path
@@ -269,11 +270,14 @@ def _dqkwg_case(B, T, H, HV, K, V, BT, cu_seqlens=None, with_w=True, state_v_fir
                 cu_seqlens=cu_seqlens, state_v_first=state_v_first)
 
 
-@pytest.mark.parametrize('case', [
+DQKWG_CASES = [
     dict(B=2, T=40, H=2, HV=2, K=16, V=16, BT=16),                              # T not a chunk multiple
     dict(B=1, T=40, H=2, HV=4, K=16, V=32, BT=16, state_v_first=True),          # grouped value heads
     dict(B=1, T=70, H=2, HV=2, K=16, V=16, BT=16, cu_seqlens=[0, 5, 38, 70], with_w=False),   # varlen
-])
+]
+
+
+@pytest.mark.parametrize('case', DQKWG_CASES)
 def test_chunk_bwd_dqkwg_torch_matches_fla_kernel(case):
     # the PyTorch stand-in of the one kernel fla refuses on Hopper + Triton < 3.7.1 (route 'fla+dqkwg'),
     # against that Triton kernel where it is right: the interpreter on CPU, GPUs outside the #640 guard
@@ -295,6 +299,50 @@ def test_chunk_bwd_dqkwg_torch_matches_fla_kernel(case):
             continue
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert _rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('case', DQKWG_CASES + [
+    dict(B=2, T=130, H=4, HV=4, K=64, V=64, BT=64, state_v_first=True),        # the addition models' shape
+])
+def test_chunk_bwd_dqkwg_triton_matches_torch(case, dtype):
+    # our Triton chunk_bwd_dqkwg (ds^T as its own product: no tl.trans of a dot result, which Triton 3.4-3.7.0
+    # miscompiles on Hopper) against the PyTorch stand-in, on the CPU (interpreter) and on the GPU, where the
+    # route runs it; a miscompiled kernel is off by O(1)
+    from evals.addition.dqkwg import chunk_bwd_dqkwg_triton
+    torch.manual_seed(0)
+    case = dict(case)
+    if case.get('cu_seqlens') is not None:
+        case['cu_seqlens'] = torch.tensor(case['cu_seqlens'], device=DEVICE)
+    kw = _dqkwg_case(**case)
+    kw = {n: (t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and n != 'g' else t) for n, t in kw.items()}
+    ref = torch_path.chunk_bwd_dqkwg_torch(**kw)
+    got = chunk_bwd_dqkwg_triton(**kw)
+    # fp32: exact products under the interpreter, tf32 on a GPU; bf16: ds is rounded to bf16 before its products
+    tol = 1e-5 if dtype == torch.float32 and DEVICE == 'cpu' else 5e-3 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(('dq', 'dk', 'dw', 'dg'), ref, got):
+        if a is None:
+            assert b is None, name
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel_err(a.float(), b.float()) < tol, (name, _rel_err(a.float(), b.float()))
+
+
+@pytest.mark.gpu
+def test_dqkwg_route_checks_then_runs_triton(restore_patches):
+    # route 'fla+dqkwg' on a GPU: the first call of a kind compares the Triton kernel with the PyTorch stand-in on
+    # its own inputs and records the result; the Triton kernel runs only after it matched
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    torch_path.enable(['dqkwg'])
+    torch_path.DQKWG_CHECKS.clear()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 100, 4, 64, device=DEVICE, requires_grad=True) for _ in range(3))
+    a, b = torch.randn(2, 100, 4, device=DEVICE), torch.rand(2, 100, 4, device=DEVICE)
+    o = chunk_gated_delta_rule(q, k, v, g=F.logsigmoid(a), beta=b, use_qk_l2norm_in_kernel=True)[0]
+    o.sum().backward()
+    assert len(torch_path.DQKWG_CHECKS) == 1
+    (check,) = torch_path.DQKWG_CHECKS.values()
+    assert check['impl'] == 'triton' and check['err'] < torch_path.DQKWG_TOL, check
 
 
 @pytest.mark.gpu

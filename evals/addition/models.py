@@ -16,8 +16,9 @@ Kernel routes (`kernels`): 'fla' runs the Triton kernels (fla's and ours); 'torc
 :mod:`evals.addition.torch_path` (same functions, autograd gradients). 'auto': 'torch' on CPU (the interpreter
 is ~1000x slower), 'fla' on GPU. Where fla refuses its gated chunk backward (#640 guard: Hopper + Triton < 3.7.1
 miscompiles one kernel, `chunk_bwd_dqkwg`), GatedDeltaNet and Mamba-2's SSD (fla's simple GLA) run fla's chunk
-kernels with that one kernel computed in PyTorch (`torch_path.chunk_bwd_dqkwg_torch`, tested against fla's
-kernel): route 'fla+dqkwg'. `--kernels torch` keeps the PyTorch recurrences on a GPU too.
+kernels with that one kernel replaced (route 'fla+dqkwg'): our Triton version of it (`evals/addition/dqkwg.py`,
+without the miscompiled pattern), used for each kind of call after it matched the PyTorch stand-in
+(`torch_path.chunk_bwd_dqkwg_torch`, tested against fla's kernel) on that call's inputs, else the stand-in. `--kernels torch` keeps the PyTorch recurrences on a GPU too.
 """
 
 from __future__ import annotations

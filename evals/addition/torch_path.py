@@ -338,9 +338,48 @@ def chunk_bwd_dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=N
     return dq, dk, dw, dg
 
 
+# Route 'fla+dqkwg' on a GPU runs our Triton kernel (evals/addition/dqkwg.py: no tl.trans of a dot result) for a
+# kind of call (shapes, dtypes, options, device) once it has matched chunk_bwd_dqkwg_torch on that call's own inputs
+# there; the PyTorch stand-in otherwise, and while a CUDA graph is being captured before any check (a check syncs).
+# The training steps before capture are eager, so every kind of call is checked before the graph records it.
+DQKWG_TRITON = True
+DQKWG_TOL = 2e-2    # tf32 / bf16 rounding is ~1e-3; a miscompiled kernel is off by O(1)
+DQKWG_CHECKS: dict = {}   # key -> dict(impl='triton' | 'torch', err=relative error of the check)
+
+
+def _dqkwg_key(kw) -> str:
+    q, v = kw['q'], kw['v']
+    return (f"q{tuple(q.shape[2:])} v{tuple(v.shape[2:])} {str(q.dtype)[6:]}/{str(v.dtype)[6:]} "
+            f"BT={kw.get('chunk_size', 64)} dw={kw.get('w') is not None} v_first={bool(kw.get('state_v_first'))} "
+            f"varlen={kw.get('cu_seqlens') is not None} {q.device}")
+
+
+def _dqkwg_check(key: str, kwargs) -> str:
+    from evals.addition.dqkwg import chunk_bwd_dqkwg_triton
+    ref = chunk_bwd_dqkwg_torch(**kwargs)
+    got = chunk_bwd_dqkwg_triton(**kwargs)
+    err = max(float((a.float() - b.float()).pow(2).mean().sqrt() / a.float().pow(2).mean().sqrt().clamp_min(1e-30))
+              for a, b in zip(ref, got) if a is not None)
+    impl = 'triton' if err < DQKWG_TOL else 'torch'
+    DQKWG_CHECKS[key] = dict(impl=impl, err=err)
+    if impl == 'torch':
+        import warnings
+        warnings.warn(f"chunk_bwd_dqkwg: the Triton kernel is off by {err:.2e} at {key}; using the PyTorch one")
+    return impl
+
+
 def _dqkwg(*args, _orig, **kwargs):
     if args or kwargs.get('g') is None or kwargs.get('g_gamma') is not None:
         return _orig(*args, **kwargs)
+    if DQKWG_TRITON and kwargs['q'].is_cuda:
+        key = _dqkwg_key(kwargs)
+        check = DQKWG_CHECKS.get(key)
+        impl = check['impl'] if check else None
+        if impl is None and not torch.cuda.is_current_stream_capturing():
+            impl = _dqkwg_check(key, kwargs)
+        if impl == 'triton':
+            from evals.addition.dqkwg import chunk_bwd_dqkwg_triton
+            return chunk_bwd_dqkwg_triton(**kwargs)
     return chunk_bwd_dqkwg_torch(**kwargs)
 
 

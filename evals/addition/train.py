@@ -12,6 +12,7 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
+from evals.addition import torch_path
 from evals.addition.data import answer_loss, exact_match, make_batch, train_batch
 from evals.addition.models import Unavailable, build_model
 
@@ -336,6 +337,8 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
         return dict(record, status='failed', reason=f"{type(e).__name__}: {e}",
                     train_time_s=time.perf_counter() - start)
     bar.close()
+    if torch_path.DQKWG_CHECKS:   # which chunk_bwd_dqkwg the route ran, per kind of call, and its check
+        record['dqkwg'] = dict(torch_path.DQKWG_CHECKS)
     return dict(record, train_time_s=train_time, eval_time_s=time.perf_counter() - start - train_time,
                 final_loss=float(losses[-max(1, steps // 20):].mean()), loss_curve=loss_curve(losses),
                 accuracy={str(n): a for n, a in acc.items()},
