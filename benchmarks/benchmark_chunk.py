@@ -162,7 +162,10 @@ def main(argv=None):
                              'shape, to report the chunk kernels\' speed-up over the token-by-token kernel')
     parser.add_argument('--profile', nargs='*', default=None, metavar='OP',
                         help='also write chunk_profile.md: per-kernel device time of forward+backward for these ops '
-                             '(given bare: the ops timed, see --ops) at the first shape')
+                             '(given bare: the ops timed, see --ops) at the first shape, or at every shape with '
+                             '--profile-all-shapes')
+    parser.add_argument('--profile-all-shapes', action='store_true',
+                        help='--profile at every shape (one section per shape in chunk_profile.md)')
     parser.add_argument('--cudagraph', action='store_true',
                         help='also time forward+backward replayed from a CUDA graph (the device time, without the '
                              'host time that do_bench includes), with ratios in a column of their own')
@@ -205,8 +208,11 @@ def main(argv=None):
                 for r in SUPPORTED_RULES if r in row['ms'] and f'fused_recurrent:{r}' in row['ms']}
             # after every case: a run stopped part way (time limit, compile failure) keeps what it measured
             write_report(args, results, lifted, done=False)
-        if args.profile is not None and spec == args.shapes[0]:
-            prof_lines = [f"# Kernel times, forward+backward, (B, T, H, K, V) = {spec} (us per call, torch.profiler)", '']
+        if args.profile is not None and (spec == args.shapes[0] or args.profile_all_shapes):
+            if spec == args.shapes[0]:
+                prof_lines = []
+            prof_lines += [f"# Kernel times, forward+backward, (B, T, H, K, V) = {spec} (us per call, torch.profiler)",
+                           '']
             # bare --profile: the ops timed (--ops, or all); a bare --profile beside --ops used to profile
             # fla's baselines too, which compiles and autotunes them (8 minutes on a fresh machine)
             wanted = args.profile or args.ops
