@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # What a lease runs (started once by step.sh, in /tmp/br, a copy of the repo; logs and results in /tmp/L).
 # Settings (environment, or scripts/device_lease/lease.env beside this file):
-#   TESTS     pytest arguments run first on cores 0-3 (4 workers); empty: none
+#   TESTS     pytest arguments run first on cores TEST_CORES (0-3) with TEST_WORKERS (4) workers; empty: none
 #   PROFILE   profile_step.py arguments (addition models whose training step is profiled by kernel), after
 #             TESTS; several runs separated by ';' (e.g. "falcon1a gdn; falcon1a gdn --bf16")
-#   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores 4-7
+#   MODELS    addition models of the paper preset (seeds 0 1 2, --resume into /tmp/L/paper), cores PAPER_CORES (4-7)
 #   WARM      addition models to compile ahead (8 steps, a tiny eval, 3 at once on cores 8-15): their kernels
 #             and autotuning land in Triton's cache before the paper runs reach them
 #   JOBS      paper runs in flight (2)
@@ -51,7 +51,7 @@ fi
 (
   if [ -n "${TESTS:-}" ]; then
       stage "tests"
-      eval "taskset -c 0-3 env PYTEST_WORKERS=4 bash scripts/gpu_tests.sh $L/tests.log $TESTS" > $L/tests.summary 2>&1
+      eval "taskset -c ${TEST_CORES:-0-3} env PYTEST_WORKERS=${TEST_WORKERS:-4} bash scripts/gpu_tests.sh $L/tests.log $TESTS" > $L/tests.summary 2>&1
   fi
   if [ -n "${PROFILE:-}" ]; then
       stage "profile"
@@ -75,7 +75,7 @@ if [ -n "${MODELS:-}" ]; then
     stage "paper"
     mkdir -p $L/paper/runs
     [ -n "${RESUME:-}" ] && cp "$RESUME"/*.json $L/paper/runs/ 2>/dev/null
-    taskset -c 4-7 python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-2} --threads 2 \
+    taskset -c ${PAPER_CORES:-4-7} python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-2} --threads 2 \
         --resume --time-budget $(budget) --no-progress --out $L/paper > $L/paper.log 2>&1
 fi
 wait
