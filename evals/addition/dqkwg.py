@@ -62,24 +62,16 @@ def _dqkwg_kernel(q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_i
             m_v = o_v < V
             b_dv = tl.load(dv + ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :],
                            mask=m_t[:, None] & m_v[None, :], other=0)
-            b_h = tl.load(h + p_state + _state_offsets(o_k, o_v, K, V, STATE_V_FIRST),
-                          mask=m_v[:, None] & m_k[None, :], other=0)
+            b_h = _state_tile(h, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST)
             b_dw += tl.dot(b_dv.to(b_h.dtype), b_h)
         tl.store(dw + p_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-        b_h = tl.load(h + p_state + _state_offsets(o_k, o_v, K, V, STATE_V_FIRST),
-                      mask=m_v[:, None] & m_k[None, :], other=0)
-        b_dh = tl.load(dh + p_state + _state_offsets(o_k, o_v, K, V, STATE_V_FIRST),
-                       mask=m_v[:, None] & m_k[None, :], other=0)
+        o_v, m_v, b_v, b_do = _vdo_block(v, do, bos, o_t, m_t, i_v, i_hv, HV, V, BV)
+        b_h = _state_tile(h, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST)
+        b_dh = _state_tile(dh, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
         b_ds += tl.dot(b_do, tl.trans(b_v))
         b_dq += tl.dot(b_do, b_h.to(b_do.dtype))
@@ -92,21 +84,16 @@ def _dqkwg_kernel(q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_i
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     b_dsT = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-        b_dh = tl.load(dh + p_state + _state_offsets(o_k, o_v, K, V, STATE_V_FIRST),
-                       mask=m_v[:, None] & m_k[None, :], other=0)
+        o_v, m_v, b_v, b_do = _vdo_block(v, do, bos, o_t, m_t, i_v, i_hv, HV, V, BV)
+        b_dh = _state_tile(dh, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST)
         # ds^T as its own product: tl.trans of b_ds fed into tl.dot is what Triton 3.4-3.7.0 miscompiles on Hopper
         b_dsT += tl.dot(b_v, tl.trans(b_do))
         b_dk += tl.dot(b_v, b_dh.to(b_v.dtype))
     b_dk = b_dk * tl.where(m_t, tl.exp2(b_glast - b_g), 0)[:, None]
     b_kf = b_k.to(tl.float32)
     b_dg_last = tl.sum(b_hdh, 0) * tl.exp2(b_glast) + tl.sum(tl.sum(b_dk * b_kf, 1), 0)
-    b_dsT = tl.where((o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_dsT * tl.exp2(b_g[None, :] - b_g[:, None]), 0) * scale
+    m_At = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dsT = tl.where(m_At, b_dsT * tl.exp2(b_g[None, :] - b_g[:, None]), 0) * scale
     b_dk += tl.dot(b_dsT.to(b_q.dtype), b_q)
     b_dg -= tl.sum(b_dk * b_kf, 1)
     b_dg = tl.where(o_t == last, b_dg + b_dg_last, b_dg)
@@ -115,11 +102,23 @@ def _dqkwg_kernel(q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_i
 
 
 @triton.jit
-def _state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
-    """Offsets of a state's [BV, BK] tile, stored [V, K] (state_v_first) or [K, V]."""
+def _vdo_block(v, do, bos, o_t, m_t, i_v, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """(o_v, m_v, v, do) of the chunk's rows in value block i_v ([BT, BV] tiles)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    return o_v, m_v, tl.load(v + p_tv, mask=m_tv, other=0), tl.load(do + p_tv, mask=m_tv, other=0)
+
+
+@triton.jit
+def _state_tile(s, p_state, o_k, m_k, o_v, m_v, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """A chunk state's [BV, BK] tile, stored [V, K] (state_v_first) or [K, V]."""
     if STATE_V_FIRST:
-        return o_v[:, None] * K + o_k[None, :]
-    return o_k[None, :] * V + o_v[:, None]
+        p = o_v[:, None] * K + o_k[None, :]
+    else:
+        p = o_k[None, :] * V + o_v[:, None]
+    return tl.load(s + p_state + p, mask=m_v[:, None] & m_k[None, :], other=0)
 
 
 def chunk_bwd_dqkwg_triton(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,

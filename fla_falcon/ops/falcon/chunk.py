@@ -1349,7 +1349,8 @@ def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm
                     p_d = ((bos + r_d) * HV + i_hv) * V + o_v
                     m_d1 = m_v & ((r_d + o_v * 0) < T)
                     b_Gd = tl.load(G + p_d, mask=m_d1, other=0)
-                    b_ud = tl.load(eta + p_d, mask=m_d1, other=0) * tl.load(val + p_d, mask=m_d1, other=0).to(tl.float32)
+                    b_ud = (tl.load(eta + p_d, mask=m_d1, other=0)
+                            * tl.load(val + p_d, mask=m_d1, other=0).to(tl.float32))
                     m_dt = m_vt & ((r_a >= r_d) & ((r_d + o_c * 0) < T))[None, :]
                     b_sum = tl.sum(tl.where(m_dt, b_doT * b_ud[:, None]
                                             * tl.exp(tl.where(m_dt, b_GtT - b_Gd[:, None], 0.)), 0.), 0)
