@@ -25,8 +25,8 @@ Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum), falcon1's ``_wy_s
 Backward: ``_bwd_dv_local`` + ``_bwd_dhu`` (state gradients, dU), ``_bwd_dqx`` (dq, the attention
 part of dx, the decay gradients of the output/state paths; falcon1a finishes there with the gates'
 chain rule) and, for falcon1, ``_bwd_gates`` (the WY backward, then the gates' chain rule).
-falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col``, ``_bwd_col_gates`` (gates), ``_bwd_col_state`` (state paths) and
-``_bwd_col_ds`` (intra-chunk products) for the per-column parts.
+falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col``, ``_bwd_col_gates`` (gates) and ``_bwd_col_dqk`` (state paths,
+intra-chunk products, dq and dk) for the per-column parts.
 The decay gradient uses the usual identities (every ``+G_t`` term of an output / every ``-G_s``
 term of a write): ``dG_t = q_t.dq_t - x_t.dx_t`` (scalar decay) or ``o_t * do_t - u_t * du_t``
 (per column), plus ``<S_next, dS_next>`` on the chunk's last row; ``dg`` is its reverse cumsum
@@ -81,14 +81,12 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # the sequential state kernels run one program per (value block, sequence, head): narrower value
 # blocks give more programs when there are few sequences
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
-# the per-column backward is two kernels: _bwd_col_gates holds ~20 [BT, BV] fp32 tiles of one value block (one
-# program per block, BV = COL_BV fixed: each block writes its own slot of per-row sums); _bwd_col_state holds the
-# [BT, K] accumulators of the state paths and loops over value blocks. One kernel with both spilled 280-1080 B
-# per thread at BV = 32-64 (ptxas, K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile)
+# the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block (one
+# program per block, BV = COL_BV fixed: each block writes its own slot of per-row sums); the [BT, K] accumulators
+# of the state paths are _bwd_col_dqk's. One kernel with both spilled 280-1080 B per thread at BV = 32-64 (ptxas,
+# K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile)
 COL_BV = 32
 CONFIGS_COLG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
-# (3 stages at BV = 64 need 238 KB of shared memory with fp32 inputs at K = 128, over Hopper's 227 KB)
-CONFIGS_COLS = [triton.Config({'BV': bv}, num_warps=8, num_stages=2) for bv in (32, 64)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1141,7 +1139,7 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
     tuned: each block writes its own slot of the row partial sums rowp): the per-column decay gradient
     dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the gates'
     chain rule (dbeta and dv written), and this block's share of the per-row sums d(lam') and d(den)
-    (rowp[i_v]: _bwd_col_state adds the blocks' shares). The written vectors are u = eta * val:
+    (rowp[i_v]: _bwd_col_dqk adds the blocks' shares). The written vectors are u = eta * val:
 
     - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
       which the state path exp(G_C - G) X dh is added here;
@@ -1211,87 +1209,26 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
     tl.store(p_row + 1, b_dden, mask=m_t)
 
 
-@triton.autotune(configs=CONFIGS_COLS, key=['H', 'HV', 'K', 'V', 'BT', 'NV_ROW', 'DELTA', 'IS_VARLEN'])
+# 8 warps: with 4, ptxas spills 192-320 B at K = V = 128 (scripts/aot_check.py, sm_90a)
+@triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col_state(k, val, beta, lam, last_k, count, G, h, dh, do, dval, rowp, NTOK, dqa, dxa, dlam, scale, eps,
-                   cu_seqlens, chunk_indices, chunk_offsets, T,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV_ROW: tl.constexpr,
-                   SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The per-column rules per chunk, second kernel (after _bwd_col_gates, one pass over the value blocks): the
-    chunk-start state's paths of dq (dqa, scaled) and of dx (dxa: exp(G_C - G) u dh^T, for falcon2 minus the X S0
-    path of the right-hand side, a exp(Gx) h^T with a = eta drhs), the energy path 2 dden x with dden summed over
-    _bwd_col_gates' value blocks (rowp), and dlam; _bwd_col_ds adds the intra-chunk products."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
-    o_t = i_t * BT + o_s
-    m_t = o_t < T
-    last = min(i_t * BT + BT, T) - 1
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    dt = b_xl.dtype
-    b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    ok = valid & (b_den > 0)
-    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dxs = tl.zeros([BT, BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = (o_k < K)[:, None] & m_v[None, :]
-        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * b_rden[:, None]
-        b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
-        b_dxs += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
-        if DELTA:
-            b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
-            b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
-            b_dxs -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h))   # the X S0 path
-    # d(lam') and d(den) per row: the value blocks' shares
-    b_dlp = tl.zeros([BT], dtype=tl.float32)
-    b_dden = tl.zeros([BT], dtype=tl.float32)
-    for j in tl.static_range(NV_ROW):
-        p_row = rowp + ((j * NTOK + bos + o_t) * HV + i_hv) * 2
-        b_dlp += tl.load(p_row, mask=m_t, other=0)
-        b_dden += tl.load(p_row + 1, mask=m_t, other=0)
-    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dqa + p_tk, b_dq * scale, mask=m_tk)
-    tl.store(dxa + p_tk, b_dxs + (2 * b_dden)[:, None] * b_xl.to(tl.float32), mask=m_tk)
-    b_dlp += b_dden
-    if HAS_LAM:
-        if LAM_COUPLED:
-            b_dlp = b_dlp * b_E
-        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
+def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, NTOK, ds_buf, dm_buf,
+                 dq, dk, dlast_k, dlam, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV_ROW: tl.constexpr,
+                 SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
+                 USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The per-column rules per chunk, after _bwd_col_gates: dq, dk (dx shifted back by one row) and dlam.
 
-
-@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
-                 key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
-@triton.jit
-def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm_buf,
-                dq, dk, dlast_k, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The per-column rules per chunk, second kernel: the intra-chunk products ds_ts = sum_v do_t u_s
-    exp(G_t - G_s) (falcon2: and the Gram path dM[t, j] = -sum_v a_t u_j exp(Gx_t - G_j)), then
-    dq = dqa + ds x and dx = ds^T q + dxa (+ (dM + dM^T) x), written as dk (shifted back by one row).
-
-    ds is built transposed, [BT, 16] per 16-row sub-chunk a of rows t (64-row products: Hopper's wgmma), one
-    product over all s <= t factored at a's first row as in _fwd_o_col, and written to ds_buf, from which the
-    dq and dx products read it back in both orientations."""
+    - the intra-chunk products ds_ts = sum_v do_t u_s exp(G_t - G_s) (falcon2: and the Gram path
+      dM[t, j] = -sum_v a_t u_j exp(Gx_t - G_j)), built transposed, [BT, 16] per 16-row sub-chunk a of rows t
+      (64-row products: Hopper's wgmma), one product over all s <= t factored at a's first row as in
+      _fwd_o_col, into ds_buf, from which the dq and dx products read them back in both orientations;
+    - the chunk-start state's paths: dq += exp(G) do h^T (scaled), dx += exp(G_C - G) u dh^T (falcon2: minus the
+      X S0 path of the right-hand side, a exp(Gx) h^T with a = eta drhs);
+    - the energy path 2 dden x and dlam, from _bwd_col_gates' per-row shares of d(lam') and d(den) (rowp).
+    (One kernel: the state paths were a kernel of their own whose fp32 [B, T, HV, K] results this one read.)"""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1371,21 +1308,59 @@ def _bwd_col_ds(q, k, val, last_k, count, G, eta, do, dval, dqa, dxa, ds_buf, dm
     # miscompiles on Hopper)
     tl.debug_barrier()
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    # the chunk-start state's paths
+    last = min(i_t * BT + BT, T) - 1
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dx = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = (o_k < K)[:, None] & m_v[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
+        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
+        b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
+        b_dx += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
+        if DELTA:
+            b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
+            b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
+            b_dx -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h))   # the X S0 path
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
     p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     b_ds = tl.load(ds_buf + p_A, mask=m_t[:, None], other=0)
-    b_dq = tl.load(dqa + p_tk, mask=m_tk, other=0) + tl.dot(b_ds.to(dt), b_xl)
+    b_dq = b_dq * scale + tl.dot(b_ds.to(dt), b_xl)
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
-    b_dx = tl.dot(b_dst.to(dt), b_q) + tl.load(dxa + p_tk, mask=m_tk, other=0)
+    b_dx += tl.dot(b_dst.to(dt), b_q)
     if DELTA:
         b_dm = tl.load(dm_buf + p_A, mask=m_t[:, None], other=0)
         b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
         b_dx += tl.dot((b_dm + b_dmt).to(dt), b_xl)   # the Gram path: d(x_t.x_j) into both keys
+    # d(lam') and d(den) per row: the value blocks' shares; the energy path E = ||x||^2 into dx
+    b_dlp = tl.zeros([BT], dtype=tl.float32)
+    b_dden = tl.zeros([BT], dtype=tl.float32)
+    for j in tl.static_range(NV_ROW):
+        p_row = rowp + ((j * NTOK + bos + o_t) * HV + i_hv) * 2
+        b_dlp += tl.load(p_row, mask=m_t, other=0)
+        b_dden += tl.load(p_row + 1, mask=m_t, other=0)
+    b_xf = b_xl.to(tl.float32)
+    b_dx += (2 * b_dden)[:, None] * b_xf
     _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE,
               False, dk, m_t)
+    if HAS_LAM:
+        b_dlp += b_dden
+        if LAM_COUPLED:
+            b_dlp = b_dlp * tl.sum(b_xf * b_xf, 1)
+        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1766,11 +1741,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if per_col:
         o32 = A
         ds_buf = torch.empty(B, T, HV, BT, **f32)
-        dqa, dxa = _bwd_col_gates_state(k, v, v, beta, lam, last_k, count, G, h, dh, o32, do, du, dv, dbeta, dlam,
-                                        scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common_h)
-        _bwd_col_ds[(NT, B * HV)](
-            q, k, v, last_k, count, G, eta, do, du, dqa, dxa, ds_buf, None, dq, dk, dlast_k, scale, cu_seqlens, ci,
-            co, T, DELTA=False, **common)
+        _bwd_col_grads(q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
+                       dlast_k, ds_buf, None, scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     dx = torch.empty(B, T, HV, K, **f32) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None
@@ -1790,22 +1762,22 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
-def _bwd_col_gates_state(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, dlam, scale, eps,
-                         eps_gamma, cu_seqlens, ci, co, m, delta, gates, common_h):
-    """The per-column rules' gates and state paths (_bwd_col_gates, then _bwd_col_state): writes dv, dbeta and dlam,
-    returns (dqa, dxa) for _bwd_col_ds."""
-    B, T, HV, K, V, NT = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'NT'))
-    f32 = dict(device=k.device, dtype=torch.float32)
+def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
+                   dlast_k, ds_buf, dm_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
+    """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
+    shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam)."""
+    B, T, HV, V, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'NT'))
+    common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}
     NV = triton.cdiv(V, COL_BV)
-    rowp = torch.empty(NV, B * T, HV, 2, **f32)   # every slot written by its value block's programs
+    rowp = torch.empty(NV, B * T, HV, 2, device=k.device, dtype=torch.float32)   # every slot written
     _bwd_col_gates[(NV, NT, B * HV)](
         k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps, eps_gamma,
         cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, **gates, **common_h)
-    dqa, dxa = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
-    _bwd_col_state[(NT, B * HV)](
-        k, val, beta, lam, last_k, count, G, h, dh, do, dval, rowp, B * T, dqa, dxa, dlam, scale, eps,
-        cu_seqlens, ci, co, T, NV_ROW=NV, DELTA=delta, **gates, **common_h)
-    return dqa, dxa
+    # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a)
+    common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 else 32))
+    _bwd_col_dqk[(NT, B * HV)](
+        q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, B * T, ds_buf, dm_buf, dq, dk, dlast_k, dlam,
+        scale, cu_seqlens, ci, co, T, NV_ROW=NV, DELTA=delta, **gates, **common_d)
 
 
 def _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x=None):

@@ -45,9 +45,8 @@ lam_coupled) and the key gradient shifted back onto k / the carried last key.
 Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the chunks' key Gram,
 once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
 solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col`` (chunk.py),
-``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates``,
-``_bwd_col_state`` and ``_bwd_col_ds`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta,
-dlam). The substitutions run BT row steps on a [BT, BV] register tile; each step reads one Gram row and one G
+``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates`` and
+``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile; each step reads one Gram row and one G
 row from memory and rescales the decayed history tile by ``exp(G_i - G_{i-1}) <= 1`` (a product of per-step
 factors, each <= 1, instead of BT x BV exps per step).
 """
@@ -61,8 +60,7 @@ import triton.language as tl
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     CONFIGS_H,
-    _bwd_col_ds,
-    _bwd_col_gates_state,
+    _bwd_col_grads,
     _bwd_dv_local_col,
     _fwd_o_col,
     _load_x,
@@ -289,10 +287,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     ds_buf = torch.empty(B, T, HV, BT, **f32)
     dm_buf = torch.empty(B, T, HV, BT, **f32)
-    dqa, dxa = _bwd_col_gates_state(k, v, r, beta, lam, last_k, count, G, h, dh, o, do, dr, dv, dbeta, dlam, scale,
-                                    eps, eps_gamma, cu_seqlens, ci, co, m, True,
-                                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common_h)
-    _bwd_col_ds[(NT, B * HV)](
-        q, k, r, last_k, count, G, eta, do, dr, dqa, dxa, ds_buf, dm_buf, dq, dk, dlast_k, scale, cu_seqlens, ci, co, T,
-        DELTA=True, **common)
+    _bwd_col_grads(q, k, v, r, beta, lam, last_k, count, G, eta, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
+                   ds_buf, dm_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, m, True,
+                   dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
