@@ -237,7 +237,7 @@ def _store_split(p, p_sh, b, mask, m_sh):
 
 
 @triton.jit
-def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr,
+def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV: tl.constexpr, K: tl.constexpr,
               BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, SPLIT: tl.constexpr, p_sh, m_sh):
     """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key);
     with SPLIT the rows of m_sh go to the partial sums at p_sh instead (see _store_split; else unused)."""
@@ -250,6 +250,10 @@ def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV: tl.co
     else:
         tl.store(p_dk, b_dx.to(p_dk.dtype.element_ty), mask=m_dk)
     if SHIFT:
+        # the sequence's last key is no write feature (x_t = k_{t-1}), so nothing above writes its row: its zero
+        # gradient is stored here, instead of zero-filling all of dk before the backward
+        tl.store(dk + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :],
+                 tl.zeros_like(b_dx).to(dk.dtype.element_ty), mask=(o_t == T - 1)[:, None] & (o_k < K)[None, :])
         if USE_INITIAL_STATE:
             b_first = tl.sum(b_dx * ((o_t == 0).to(tl.float32) * valid.to(tl.float32))[:, None], 0)
             if i_t == 0:
@@ -258,11 +262,11 @@ def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV: tl.co
 
 @triton.jit
 def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t, i_hv,
-                      bos, o_t, m_t, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr,
+                      bos, o_t, m_t, T, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SHIFT: tl.constexpr,
                       HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """Adds the energy path (dE = dden, E = ||x||^2) to dx, writes dk, dbeta and dlam."""
     _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
-    _store_dk(b_dx + (2 * b_dden)[:, None] * b_x, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK,
+    _store_dk(b_dx + (2 * b_dden)[:, None] * b_x, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK,
               SHIFT, USE_INITIAL_STATE, False, dk, m_t)
 
 
@@ -883,7 +887,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
         b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, tl.zeros([BT], dtype=tl.float32), b_deta, b_lp, b_den, b_eta,
                                             b_a, clamped, valid)
         _store_gate_grads(b_xf, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam, i_n, i_t,
-                          i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+                          i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
@@ -958,7 +962,7 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
     b_dgd -= b_db * b_b
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_deta, b_lp, b_den, b_eta, b_a, clamped, valid)
     _store_gate_grads(b_xl.to(tl.float32), b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam,
-                      i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+                      i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1354,7 +1358,7 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
         b_dden += tl.load(p_row + 1, mask=m_t, other=0)
     b_xf = b_xl.to(tl.float32)
     b_dx += (2 * b_dden)[:, None] * b_xf
-    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE,
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE,
               False, dk, m_t)
     if HAS_LAM:
         b_dlp += b_dden
@@ -1558,7 +1562,7 @@ def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp,
     for d in tl.static_range(WIN):
         b_ws += tl.load(wE + (bos + o_t + d) * HV + i_hv, mask=(o_s + d < BT) & (o_t + d < T), other=0)
     b_dx += b_ws[:, None] * b_xl.to(tl.float32)
-    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, HV, K, BK, SHIFT, USE_INITIAL_STATE, True,
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE, True,
               shk + r_sh[:, None] * K + o_k[None, :], m_sh)
     if WIN > 1:
         b_PMpt = tl.load(pmp + ((bos + o_t) * HV + i_hv)[None, :] * 16 + o_j[:, None], mask=m_t[None, :], other=0)
@@ -1707,8 +1711,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
-    # with the shift nothing writes the last row
-    dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt)
+    # every row of dk is written by the kernels (_store_dk: the zero gradient of a sequence's last key too)
+    dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
     dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, **f32)
@@ -1740,9 +1744,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
     if per_col:
         o32 = A
-        ds_buf = torch.empty(B, T, HV, BT, **f32)
         _bwd_col_grads(q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
-                       dlast_k, ds_buf, None, scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
+                       dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     dx = torch.empty(B, T, HV, K, **f32) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None
@@ -1763,13 +1766,17 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
 
 
 def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
-                   dlast_k, ds_buf, dm_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
+                   dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
     shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam)."""
-    B, T, HV, V, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'NT'))
+    B, T, HV, V, BT, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'BT', 'NT'))
+    f32 = dict(device=k.device, dtype=torch.float32)
     common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}
     NV = triton.cdiv(V, COL_BV)
-    rowp = torch.empty(NV, B * T, HV, 2, device=k.device, dtype=torch.float32)   # every slot written
+    rowp = torch.empty(NV, B * T, HV, 2, **f32)   # every slot written
+    # scratch of ds (falcon2: and dM) per chunk row, read back transposed
+    ds_buf = torch.empty(B, T, HV, BT, **f32)
+    dm_buf = torch.empty(B, T, HV, BT, **f32) if delta else None
     _bwd_col_gates[(NV, NT, B * HV)](
         k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps, eps_gamma,
         cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, **gates, **common_h)

@@ -46,9 +46,10 @@ Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (t
 once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
 solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col`` (chunk.py),
 ``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates`` and
-``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam). The substitutions run BT row steps on a [BT, BV] register tile; each step reads one Gram row and one G
-row from memory and rescales the decayed history tile by ``exp(G_i - G_{i-1}) <= 1`` (a product of per-step
-factors, each <= 1, instead of BT x BV exps per step).
+``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam). The
+substitutions run BT row steps on a [BT, BV] register tile; each step reads one Gram row and one G row from memory
+and rescales the decayed history tile by ``exp(G_i - G_{i-1}) <= 1`` (a product of per-step factors, each <= 1,
+instead of BT x BV exps per step).
 """
 
 from __future__ import annotations
@@ -280,14 +281,12 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
-    dk = torch.zeros(B, T, HV, K, device=dev, dtype=kdt)   # with the shift nothing writes the last row
+    dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)   # every row written (_store_dk)
     dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
-    ds_buf = torch.empty(B, T, HV, BT, **f32)
-    dm_buf = torch.empty(B, T, HV, BT, **f32)
     _bwd_col_grads(q, k, v, r, beta, lam, last_k, count, G, eta, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
-                   ds_buf, dm_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, m, True,
+                   scale, eps, eps_gamma, cu_seqlens, ci, co, m, True,
                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
