@@ -355,11 +355,12 @@ def _dqkwg_key(kw) -> str:
 
 
 def _dqkwg_check(key: str, kwargs) -> str:
+    from fla.utils import get_err_ratio
+
     from evals.addition.dqkwg import chunk_bwd_dqkwg_triton
     ref = chunk_bwd_dqkwg_torch(**kwargs)
     got = chunk_bwd_dqkwg_triton(**kwargs)
-    err = max(float((a.float() - b.float()).pow(2).mean().sqrt() / a.float().pow(2).mean().sqrt().clamp_min(1e-30))
-              for a, b in zip(ref, got) if a is not None)
+    err = max(get_err_ratio(a.float(), b.float()) for a, b in zip(ref, got) if a is not None)
     impl = 'triton' if err < DQKWG_TOL else 'torch'
     DQKWG_CHECKS[key] = dict(impl=impl, err=err)
     if impl == 'torch':
