@@ -318,7 +318,7 @@ def test_chunk_bwd_dqkwg_triton_matches_torch(case, dtype):
     kw = {n: (t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and n != 'g' else t) for n, t in kw.items()}
     ref = torch_path.chunk_bwd_dqkwg_torch(**kw)
     got = chunk_bwd_dqkwg_triton(**kw)
-    # fp32: exact products under the interpreter, tf32 on a GPU; bf16: ds is rounded to bf16 before its products
+    # fp32: exact products under the interpreter, tf32x3 on a GPU; bf16: ds is rounded to bf16 before its products
     tol = 1e-5 if dtype == torch.float32 and DEVICE == 'cpu' else 5e-3 if dtype == torch.float32 else 2e-2
     for name, a, b in zip(('dq', 'dk', 'dw', 'dg'), ref, got):
         if a is None:
@@ -326,6 +326,15 @@ def test_chunk_bwd_dqkwg_triton_matches_torch(case, dtype):
             continue
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert _rel_err(a.float(), b.float()) < tol, (name, _rel_err(a.float(), b.float()))
+
+
+def test_chunk_bwd_dqkwg_triton_refuses_partial_tiles():
+    # K or V not a multiple of 16 (K = V = 8 faulted on the H200): a clear error, and the route's PyTorch stand-in
+    from evals.addition.dqkwg import chunk_bwd_dqkwg_triton, supports
+    kw = _dqkwg_case(B=1, T=20, H=1, HV=1, K=8, V=16, BT=16)
+    with pytest.raises(NotImplementedError, match="multiples of 16"):
+        chunk_bwd_dqkwg_triton(**kw)
+    assert supports(64, 64) and not supports(8, 8) and not supports(64, 24)
 
 
 @pytest.mark.gpu

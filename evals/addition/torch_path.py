@@ -372,7 +372,8 @@ def _dqkwg_check(key: str, kwargs) -> str:
 def _dqkwg(*args, _orig, **kwargs):
     if args or kwargs.get('g') is None or kwargs.get('g_gamma') is not None:
         return _orig(*args, **kwargs)
-    if DQKWG_TRITON and kwargs['q'].is_cuda:
+    from evals.addition.dqkwg import supports
+    if DQKWG_TRITON and kwargs['q'].is_cuda and supports(kwargs['k'].shape[-1], kwargs['v'].shape[-1]):
         key = _dqkwg_key(kwargs)
         check = DQKWG_CHECKS.get(key)
         impl = check['impl'] if check else None
