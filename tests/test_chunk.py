@@ -136,6 +136,19 @@ def test_odd_head_dims(rule, device):
     check(run_both(rule, *inputs, torch.float32, chunk_size=32, window=win(rule)), torch.float32)
 
 
+@pytest.mark.parametrize('rule', ('falcon1a', 'falcon2a', 'falcon3a'))
+def test_state_key_blocks(rule, device):
+    # few (sequence, head) programs: the sequential state kernels of the rules without a delta term split the key
+    # dimension (K = 80: blocks of 32, the third one partial and the fourth one past K), with varlen, an initial
+    # state and a window tail
+    from fla_falcon.ops.falcon.chunk import _state_key_block
+    assert _state_key_block(128, 2, 80, False) == 32 and _state_key_block(128, 2, 80, True) == 128
+    assert _state_key_block(128, 64, 128, False) == 128
+    cu = torch.tensor([0, 30, 75], device=device)
+    inputs = make_inputs(rule, 1, 75, 1, 2, 80, 24, 'on', True, device, seed=4, cu_seqlens=cu, window=win(rule))
+    check(run_both(rule, *inputs, torch.float32, cu_seqlens=cu, chunk_size=16, window=win(rule)), torch.float32)
+
+
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_zero_keys(rule, device):
     # x = 0 rows: with eps = 0 and no ridge the denominator is 0 and eta := 0 (no write, no decay)

@@ -131,7 +131,13 @@ def _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H: tl.constexpr, K: tl.co
 
     With the shift, x_t = k_{t-1}; the first token of a sequence takes the carried last key when the
     state has seen tokens (count > 0) and has no pair otherwise (no write, no decay)."""
-    o_k = tl.arange(0, BK)
+    return _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, tl.arange(0, BK), H, K, SHIFT, USE_INITIAL_STATE)
+
+
+@triton.jit
+def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr, K: tl.constexpr,
+                 SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """_load_x for the key columns o_k only (the sequential state kernels' key blocks)."""
     m_k = o_k < K
     r = o_t - SHIFT
     m_r = m_t & (r >= 0)
@@ -291,11 +297,18 @@ def _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H: tl.constex
                 BK: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """x ([n, BK], k's dtype) and validity of the pairs at positions o_p of the sequence; p < 0 reads
     row W - 1 + p of the carried tail (its last n_tail rows are real pairs)."""
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_p, m_p & (o_p >= 0), H, K, BK, SHIFT,
-                         USE_INITIAL_STATE)
+    return _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, tl.arange(0, BK), H, K, WIN, SHIFT,
+                            USE_INITIAL_STATE)
+
+
+@triton.jit
+def _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H: tl.constexpr, K: tl.constexpr,
+                     WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """_load_win_x for the key columns o_k only."""
+    b_x, valid = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_p, m_p & (o_p >= 0), o_k, H, K, SHIFT,
+                              USE_INITIAL_STATE)
     if USE_INITIAL_STATE:
         if WIN > 1:
-            o_k = tl.arange(0, BK)
             m_tl = m_p & (o_p < 0) & (o_p >= -_n_tail(count, i_n, o_p, WIN, SHIFT))
             b_tx = tl.load(tail_x + ((i_n * H + i_h) * (WIN - 1) + WIN - 1 + o_p)[:, None] * K + o_k[None, :],
                            mask=m_tl[:, None] & (o_k < K)[None, :], other=0).to(b_x.dtype)
@@ -581,7 +594,7 @@ def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chun
         tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
            cu_seqlens, chunk_offsets, T,
@@ -589,11 +602,14 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """Forward over chunks: h[c] = the state at the start of chunk c, [BK, BV] per program. The rules without a delta
+    term may split the key dimension (BK < K, one block per program axis 1): their state's key rows evolve
+    independently; falcon1's delta term W S needs all of them (BK covers K)."""
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
@@ -605,7 +621,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         last = min(i_t * BT + BT, T) - 1
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_x, valid = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         if PER_COL:
@@ -637,8 +653,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
                 # ... and the W - 1 pairs before it (previous chunk, or the carried tail)
                 o_p = i_t * BT - 16 + tl.arange(0, 16)
                 m_p = o_p >= i_t * BT - (WIN - 1)
-                b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
-                                            USE_INITIAL_STATE)
+                b_xp, valid_p = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H, K, WIN,
+                                                 SHIFT, USE_INITIAL_STATE)
                 b_mp = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, i_t * BT, WIN)
                 b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
                                    USE_INITIAL_STATE)
@@ -735,7 +751,7 @@ def _bwd_dv_local(q, k, last_k, count, G, do, du, scale,
     tl.store(du + p_tv, b_du, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'PER_COL', 'IS_VARLEN'],
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
                  restore_value=['du'])
 @triton.jit
 def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
@@ -745,12 +761,13 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
              USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c (falcon1 also adds the
-    state path exp(G_C - G) X dh to dU, which its state gradient needs)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    state path exp(G_C - G) X dh to dU, which its state gradient needs). Key blocks as in _fwd_h (BK covers K
+    for falcon1: its dU sums over all of them)."""
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
@@ -764,7 +781,6 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         last = min(i_t * BT + BT, T) - 1
         b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
                       mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0)
@@ -783,6 +799,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         if DELTA:
             # the state path of dU is needed here (dS0 -= W^T dU); the other rules add it in the
             # parallel per-chunk kernel, which keeps this sequential loop short
+            b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
             b_du = tl.load(du + p_tv, mask=m_tv, other=0)
             b_du += tl.dot(b_x, b_dh_next.to(b_q.dtype)) * tl.exp(b_Gl - b_G)[:, None]
             tl.store(du + p_tv, b_du, mask=m_tv)
@@ -1010,11 +1027,11 @@ def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
-def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
+def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, SAVE_O32: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o_t = scale (exp(G_t) * (q_t^T S0) + sum_{s <= t} (q_t.x_s) exp(G_t - G_s) * u_s) per column, u = eta v.
 
     Computed transposed, a [BV, 16] tile per 16-row sub-chunk a of output rows, so that every product has BV or BT
@@ -1070,7 +1087,11 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, scale,
         if span > DIAG_SPAN:
             b_o = _diag16_offsets(b_o, b_At, r_s, v, eta, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
                                   m_v, HV, V, True)
-        tl.store(o + p_vt, (b_o * scale).to(o.dtype.element_ty), mask=m_vt)
+        b_o = b_o * scale
+        tl.store(o + p_vt, b_o.to(o.dtype.element_ty), mask=m_vt)
+        if SAVE_O32:
+            # the decay gradient's fp32 copy (dG = o * do - u * du), beside the output in its own dtype
+            tl.store(o32 + p_vt, b_o, mask=m_vt)
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
@@ -1609,6 +1630,22 @@ def _bwd_win_shared(shk, shv, dk, dv, cu_seqlens, chunk_indices, chunk_offsets, 
 # host side
 # ----------------------------------------------------------------------------------------------
 
+# the sequential state kernels (_fwd_h, _bwd_dhu) want about this many programs; fewer leave SMs idle
+STATE_PROGRAMS = 128
+
+
+def _state_key_block(BK, NHV, V, delta):
+    """Key block of the sequential state kernels: all of K, or for the rules without a delta term (whose state
+    rows evolve independently) halves of it, down to 32, while (sequence, head, 64-wide value block) programs are
+    fewer than STATE_PROGRAMS. At (B, H) = (1, 16) falcon2a's _fwd_h / _bwd_dhu took 438 / 396 us on an H200
+    with 32-64 programs, 158 / 131 us at B = 4 with 4x as many (2026-12-01 profile, same work)."""
+    bk = BK
+    if not delta:
+        while bk > 32 and NHV * triton.cdiv(V, 64) * (BK // bk) < STATE_PROGRAMS:
+            bk //= 2
+    return bk
+
+
 def _meta(q, v, chunk_size, cu_seqlens):
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -1659,15 +1696,15 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     h = torch.empty(m['NTH'] if cu_seqlens is not None else B * NT, HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
-    _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
+    _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
         k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, S0, ht, vn, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
     if per_col:
-        # fp32 output: the decay gradient reads it back (dG = o * do - u * du)
-        o = torch.empty(B, T, HV, V, device=dev, dtype=torch.float32)
+        o, o32 = _col_outputs(v)
         _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, v, last_k, count, G, eta, h, o, scale, cu_seqlens, ci, co, T, **common)
-        return o, ht, (G, eta, o, None, None, h)
+            q, k, v, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
+        return o, ht, (G, eta, o32, None, None, h)
     o = torch.empty_like(v)
     # falcon3a builds its window weights M (W exps of a [BT, BT] tile) once per value block: one block of
     # 128 columns for V >= 128 with 2-byte inputs halves that (no register spills at W <= 4, K = 128;
@@ -1677,6 +1714,14 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale, cu_seqlens, ci, co, T,
         DELTA=delta, WIN=win, **dict(common, BV=BVo))
     return o, ht, (G, eta, A, W, vn, h)
+
+
+def _col_outputs(v):
+    """The per-column rules' output in v's dtype and its fp32 copy for the decay gradient (dG = o * do - u * du
+    reads it back), both written by _fwd_o_col: one tensor for fp32 inputs. (A cast of the fp32 output took 91 us
+    at (4, 4096, 16, 128) bf16 on an H200.)"""
+    o = torch.empty_like(v)
+    return o, (o if v.dtype == torch.float32 else torch.empty(v.shape, device=v.device, dtype=torch.float32))
 
 
 def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
@@ -1705,7 +1750,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
-    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
+    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
         q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
@@ -1810,8 +1856,6 @@ class ChunkFalconFunction(torch.autograd.Function):
                                   delta, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
         ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved)
         ctx.cfg = (scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size)
-        if per_col:
-            o = o.to(v.dtype)
         return o, ht
 
     @staticmethod

@@ -63,6 +63,7 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS_H,
     _bwd_col_grads,
     _bwd_dv_local_col,
+    _col_outputs,
     _fwd_o_col,
     _load_x,
     _meta,
@@ -249,12 +250,12 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         k, v, last_k, count, M, G, eta, h, S0, ht, r, cu_seqlens, co, T, STORE_FINAL_STATE=output_final_state,
         **common_h)
-    # falcon2a's output kernel reads u = v * eta: fed the residual, it reads u = eta r. fp32 output: the
-    # decay gradient reads it back
-    o = torch.empty(B, T, HV, V, **f32)
+    # falcon2a's output kernel reads u = v * eta: fed the residual, it reads u = eta r (and writes the output's
+    # fp32 copy for the decay gradient)
+    o, o32 = _col_outputs(v)
     _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, r, last_k, count, G, eta, h, o, scale, cu_seqlens, ci, co, T, **common)
-    return o, ht, (M, G, eta, r, h, o)
+        q, k, r, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
+    return o, ht, (M, G, eta, r, h, o32)
 
 
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
