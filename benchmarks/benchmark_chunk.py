@@ -8,7 +8,9 @@ falcon2a's per-column decay; shown for reference). fla 0.6.0 refuses its gated c
 #640); to time those baselines this script lifts that guard in its own process only (the
 miscompilation affects their gradients' values, not their speed) and says so in the table.
 
-Writes benchmarks/results/chunk.json and chunk.md.
+Writes benchmarks/results/chunk.json, chunk.md and chunk.png (each rule's forward+backward time over its
+baseline's, per shape, both measures, against the target); `--plot-only` redraws chunk.png from chunk.json on any
+machine.
 """
 
 from __future__ import annotations
@@ -172,7 +174,14 @@ def main(argv=None):
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')
+    parser.add_argument('--plot-only', action='store_true',
+                        help='only redraw chunk.png from the chunk.json in --out (no GPU needed)')
     args = parser.parse_args(argv)
+    if args.plot_only:
+        with open(os.path.join(args.out, 'chunk.json')) as f:
+            data = json.load(f)
+        print(plot_ratios(data['results'], data['meta'], os.path.join(args.out, 'chunk.png')))
+        return
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     if not torch.cuda.is_available():
@@ -238,7 +247,8 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     lines = ['# chunk_falcon vs fla chunk kernels (bf16, ms, triton.testing.do_bench)', '',
-             f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, falcon3a window {args.window}.", '']
+             f"{meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, falcon3a window {args.window}.", '',
+             '![forward+backward time over the baseline, per shape](chunk.png)', '']
     if not done:
         lines += ['**Partial: the run had not finished when this was written.**', '']
     if lifted:
@@ -267,7 +277,48 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
         lines.append('')
     with open(os.path.join(args.out, 'chunk.md'), 'w') as f:
         f.write('\n'.join(lines))
+    plot_ratios(results, meta, os.path.join(args.out, 'chunk.png'))
     return '\n'.join(lines)
+
+
+def plot_ratios(results, meta, path) -> str:
+    """chunk.png: per shape, each rule's forward+backward time over its baseline's (do_bench, and the CUDA-graph
+    device time where measured), with the issue's target as a marker; below 1 is faster than the baseline."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    rows = [r for r in results if r['ratio']]
+    if not rows:
+        return f"{path}: no ratios to plot"
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 4.2), squeeze=False, sharey=True)
+    for ax, row in zip(axes[0], rows):
+        rules = list(row['ratio'])
+        xs = range(len(rules))
+        measures = [('fwd+bwd', 'do_bench (host time included)', 'tab:blue'),
+                    ('fwd+bwd graph', 'device time (CUDA graph)', 'tab:orange')]
+        measures = [m for m in measures if any(row['ratio'][r].get(m[0]) for r in rules)]
+        width = 0.8 / len(measures)
+        for i, (key, label, color) in enumerate(measures):
+            vals = [row['ratio'][r].get(key) or 0 for r in rules]
+            pos = [x - 0.4 + width * (i + 0.5) for x in xs]
+            ax.bar(pos, vals, width, label=label, color=color)
+            for x, val in zip(pos, vals):
+                if val:
+                    ax.text(x, val, f"{val:.2f}", ha='center', va='bottom', fontsize=7)
+        ax.scatter(list(xs), [TARGETS[r][1] for r in rules], marker='_', s=900, color='black', zorder=3,
+                   label='target')
+        ax.axhline(1.0, color='grey', lw=0.8, ls=':')
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{r}\n/ {TARGETS[r][0].replace('chunk_', '')}" for r in rules], fontsize=8)
+        ax.set_title(f"(B, T, H, K, V) = {tuple(row['shape'])}", fontsize=10)
+        ax.grid(axis='y', alpha=0.3)
+    axes[0][0].set_ylabel('forward+backward time / baseline')
+    axes[0][0].legend(fontsize=8, loc='upper left')
+    fig.suptitle(f"chunk_falcon vs fla, bf16, {meta.get('device', '')}, Triton {meta.get('triton', '')}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
 
 
 if __name__ == '__main__':
