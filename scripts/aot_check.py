@@ -161,7 +161,8 @@ def main(argv=None) -> int:
         for op_name in args.ops:
             op = (functools.partial(chunk_falcon, chunk_size=args.chunk_size) if op_name == 'chunk'
                   else fused_recurrent_falcon)
-            if op_name == 'chunk' and rule not in getattr(chunk_falcon, 'supported_rules', ()):
+            forward_only = rule in getattr(chunk_falcon, 'forward_only_rules', ())
+            if op_name == 'chunk' and rule not in getattr(chunk_falcon, 'supported_rules', ()) and not forward_only:
                 continue
             print(f"{op_name} {rule} (W={W}, K={K}, V={V}, {args.dtype})", flush=True)
             q, k = (torch.randn(B, T, H, K, dtype=dt, requires_grad=True) for _ in range(2))
@@ -180,6 +181,10 @@ def main(argv=None) -> int:
                     continue
                 with torch.no_grad():   # inference: no final state, no saved tensors
                     op(q, k, v, beta, lam, rule=rule, window=W)
+                if op_name == 'chunk' and forward_only:
+                    with torch.no_grad():
+                        op(q, k, v, beta, lam, rule=rule, window=W, output_final_state=True)
+                    continue
                 o, _ = op(q, k, v, beta, lam, rule=rule, window=W, output_final_state=True)
                 o.sum().backward()
             except Exception as e:   # noqa: BLE001  (the wrappers' own tensor code may trip on garbage)

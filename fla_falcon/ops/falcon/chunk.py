@@ -149,7 +149,7 @@ def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr
             # a vector load: the interpreter cannot mix a scalar bool into a vector mask
             has_prev = tl.load(count + i_n + o_t * 0) > 0
             b_l = tl.load(last_k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(b_x.dtype)
-            first = (o_t == 0) & has_prev
+            first = (o_t == 0) & has_prev & m_t
             b_x = tl.where(first[:, None], b_l[None, :], b_x)
             valid = m_t & ((o_t > 0) | has_prev)
         else:
@@ -493,6 +493,32 @@ def _wy_diag_inv(b_P):
 
 
 @triton.jit
+def _wy_lower1(b_Ai00, b_P10, b_P11):
+    """Rows 16-31 of (I + P)^-1 from its first 16 rows' inverse and P's blocks (1, 0) and (1, 1) (strictly lower):
+    A11 = (I + P11)^-1, A10 = -A11 P10 A00. fp32 products as tf32x3 (plain TF32 loses the solve's accuracy)."""
+    b_Ai11 = _wy_diag_inv(b_P11)
+    b_Ai10 = -tl.dot(tl.dot(b_Ai11, b_P10, input_precision="tf32x3"), b_Ai00, input_precision="tf32x3")
+    return b_Ai10, b_Ai11
+
+
+@triton.jit
+def _wy_lower2(b_Ai00, b_Ai10, b_Ai11, b_P20, b_P21, b_P30, b_P31, b_P32, b_P22, b_P33):
+    """Rows 32-63 of (I + P)^-1 (blocks (2, 0..2), (3, 0..3)) from rows 0-31 of it and P's blocks."""
+    b_Ai22 = _wy_diag_inv(b_P22)
+    b_Ai33 = _wy_diag_inv(b_P33)
+    b_Ai21 = -tl.dot(tl.dot(b_Ai22, b_P21, input_precision="tf32x3"), b_Ai11, input_precision="tf32x3")
+    b_Ai32 = -tl.dot(tl.dot(b_Ai33, b_P32, input_precision="tf32x3"), b_Ai22, input_precision="tf32x3")
+    b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_P20, b_Ai00, input_precision="tf32x3")
+                     + tl.dot(b_P21, b_Ai10, input_precision="tf32x3"), input_precision="tf32x3")
+    b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_P31, b_Ai11, input_precision="tf32x3")
+                     + tl.dot(b_P32, b_Ai21, input_precision="tf32x3"), input_precision="tf32x3")
+    b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_P30, b_Ai00, input_precision="tf32x3")
+                     + tl.dot(b_P31, b_Ai10, input_precision="tf32x3")
+                     + tl.dot(b_P32, b_Ai20, input_precision="tf32x3"), input_precision="tf32x3")
+    return b_Ai20, b_Ai21, b_Ai22, b_Ai30, b_Ai31, b_Ai32, b_Ai33
+
+
+@triton.jit
 def _wy_store(A, b_blk, bos, i_hv, r0, c0, T, HV: tl.constexpr, BT: tl.constexpr):
     o_i = tl.arange(0, 16)
     tl.store(A + ((bos + r0 + o_i) * HV + i_hv)[:, None] * BT + (c0 + o_i)[None, :], b_blk,
@@ -520,9 +546,8 @@ def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offs
     if BT >= 32:
         b_x1, b_G1, b_Gx1, b_eta1, m_1 = _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, t0 + 16, T,
                                                   H, HV, K, BK, SHIFT, USE_INITIAL_STATE)
-        b_P10 = _wy_block(b_x1, b_x0, b_Gx1, b_G0, b_eta1, m_1, False)
-        b_Ai11 = _wy_diag_inv(_wy_block(b_x1, b_x1, b_Gx1, b_G1, b_eta1, m_1, True))
-        b_Ai10 = -tl.dot(tl.dot(b_Ai11, b_P10, input_precision="tf32x3"), b_Ai00, input_precision="tf32x3")
+        b_Ai10, b_Ai11 = _wy_lower1(b_Ai00, _wy_block(b_x1, b_x0, b_Gx1, b_G0, b_eta1, m_1, False),
+                                    _wy_block(b_x1, b_x1, b_Gx1, b_G1, b_eta1, m_1, True))
         _wy_store(A, b_zero, bos, i_hv, t0, 16, T, HV, BT)
         _wy_store(A, b_Ai10, bos, i_hv, t0 + 16, 0, T, HV, BT)
         _wy_store(A, b_Ai11, bos, i_hv, t0 + 16, 16, T, HV, BT)
@@ -531,22 +556,15 @@ def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offs
                                                   H, HV, K, BK, SHIFT, USE_INITIAL_STATE)
         b_x3, b_G3, b_Gx3, b_eta3, m_3 = _wy_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, t0, t0 + 48, T,
                                                   H, HV, K, BK, SHIFT, USE_INITIAL_STATE)
-        b_P20 = _wy_block(b_x2, b_x0, b_Gx2, b_G0, b_eta2, m_2, False)
-        b_P21 = _wy_block(b_x2, b_x1, b_Gx2, b_G1, b_eta2, m_2, False)
-        b_P30 = _wy_block(b_x3, b_x0, b_Gx3, b_G0, b_eta3, m_3, False)
-        b_P31 = _wy_block(b_x3, b_x1, b_Gx3, b_G1, b_eta3, m_3, False)
-        b_P32 = _wy_block(b_x3, b_x2, b_Gx3, b_G2, b_eta3, m_3, False)
-        b_Ai22 = _wy_diag_inv(_wy_block(b_x2, b_x2, b_Gx2, b_G2, b_eta2, m_2, True))
-        b_Ai33 = _wy_diag_inv(_wy_block(b_x3, b_x3, b_Gx3, b_G3, b_eta3, m_3, True))
-        b_Ai21 = -tl.dot(tl.dot(b_Ai22, b_P21, input_precision="tf32x3"), b_Ai11, input_precision="tf32x3")
-        b_Ai32 = -tl.dot(tl.dot(b_Ai33, b_P32, input_precision="tf32x3"), b_Ai22, input_precision="tf32x3")
-        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_P20, b_Ai00, input_precision="tf32x3")
-                         + tl.dot(b_P21, b_Ai10, input_precision="tf32x3"), input_precision="tf32x3")
-        b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_P31, b_Ai11, input_precision="tf32x3")
-                         + tl.dot(b_P32, b_Ai21, input_precision="tf32x3"), input_precision="tf32x3")
-        b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_P30, b_Ai00, input_precision="tf32x3")
-                         + tl.dot(b_P31, b_Ai10, input_precision="tf32x3")
-                         + tl.dot(b_P32, b_Ai20, input_precision="tf32x3"), input_precision="tf32x3")
+        b_Ai20, b_Ai21, b_Ai22, b_Ai30, b_Ai31, b_Ai32, b_Ai33 = _wy_lower2(
+            b_Ai00, b_Ai10, b_Ai11,
+            _wy_block(b_x2, b_x0, b_Gx2, b_G0, b_eta2, m_2, False),
+            _wy_block(b_x2, b_x1, b_Gx2, b_G1, b_eta2, m_2, False),
+            _wy_block(b_x3, b_x0, b_Gx3, b_G0, b_eta3, m_3, False),
+            _wy_block(b_x3, b_x1, b_Gx3, b_G1, b_eta3, m_3, False),
+            _wy_block(b_x3, b_x2, b_Gx3, b_G2, b_eta3, m_3, False),
+            _wy_block(b_x2, b_x2, b_Gx2, b_G2, b_eta2, m_2, True),
+            _wy_block(b_x3, b_x3, b_Gx3, b_G3, b_eta3, m_3, True))
         _wy_store(A, b_zero, bos, i_hv, t0, 32, T, HV, BT)
         _wy_store(A, b_zero, bos, i_hv, t0, 48, T, HV, BT)
         _wy_store(A, b_zero, bos, i_hv, t0 + 16, 32, T, HV, BT)
@@ -1896,7 +1914,9 @@ def chunk_falcon(
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
     Supports ``falcon1``, ``falcon1a``, ``falcon2`` (its solve and state kernels in ``chunk_col.py``),
-    ``falcon2a`` and ``falcon3a`` with ``window <= 8`` (falcon3 raises ``NotImplementedError``).
+    ``falcon2a`` and ``falcon3a`` with ``window <= 8``; ``falcon3`` (``window <= 8``, kernels in ``chunk_win.py``)
+    forward only so far: with inputs that require grad it raises ``NotImplementedError``, and the layer keeps
+    ``fused_recurrent`` for it (``SUPPORTED_RULES`` leaves it out).
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
@@ -1905,6 +1925,12 @@ def chunk_falcon(
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if rule == 'falcon3':
+        if window == 1:   # the window of one pair is falcon1
+            rule = 'falcon1'
+        else:
+            return _chunk_falcon3(q, k, v, beta, lam, window, scale, eps, eps_gamma, lam_coupled, shift,
+                                  initial_state, output_final_state, cu_seqlens, N)
     if rule not in SUPPORTED_RULES:
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
     if chunk_size not in (16, 32, 64):
@@ -1999,3 +2025,43 @@ def _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window,
 
 
 chunk_falcon.supported_rules = SUPPORTED_RULES
+# rules with a chunk forward only (no backward yet): the layer keeps fused_recurrent for them
+chunk_falcon.forward_only_rules = ('falcon3',)
+
+
+def _chunk_falcon3(q, k, v, beta, lam, window, scale, eps, eps_gamma, lam_coupled, shift, initial_state,
+                   output_final_state, cu_seqlens, N):
+    """falcon3 (window >= 2): forward only so far (chunk_win.py); its backward is not written yet."""
+    from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
+    leaves = [q, k, v, beta, lam] + (list(initial_state[:4]) if initial_state is not None else [])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
+        raise NotImplementedError("chunk_falcon's falcon3 has no backward yet: use fused_recurrent_falcon for "
+                                  "training, or call it under torch.no_grad()")
+    if window > 8:
+        raise NotImplementedError(f"chunk_falcon supports falcon3 windows up to 8, got window={window}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    out_dtype, fp64 = v.dtype, q.dtype == torch.float64
+    if fp64:
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    lam = lam.contiguous() if lam is not None else None
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32 if cu_seqlens.dtype != torch.int64 else torch.int64)
+    S0 = last_k0 = count = tail_x0 = tail_v0 = None
+    if initial_state is not None:
+        S0 = initial_state.S.float().contiguous()
+        last_k0 = initial_state.last_k.float().contiguous()
+        count = initial_state.count.to(torch.int32).contiguous()
+        tail_x0 = initial_state.tail_x.float().contiguous()
+        tail_v0 = initial_state.tail_v.float().contiguous()
+    o, ht, _ = chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps),
+                                 float(eps_gamma), lam_coupled, shift, output_final_state, cu_seqlens, window)
+    final_state = None
+    if output_final_state:
+        final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift)
+        if fp64:
+            final_state = FalconState(*(t.double() for t in final_state[:4]), final_state.count)
+    return o.to(out_dtype), final_state
