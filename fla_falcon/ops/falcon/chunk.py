@@ -334,12 +334,13 @@ def _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV: tl.constexp
 
 
 @triton.jit
-def _win_gates(k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma,
+def _win_gates(k, last_k, count, tail_x, beta, lam, E, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, WIN: tl.constexpr,
                SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-               USE_INITIAL_STATE: tl.constexpr):
-    """falcon3a's per-step gates from the window t-W+1..t: (valid, 1/B_t, E_t = mean ||x_j||^2, lam', den,
-    eta, alpha, clamped, g); B_t counts the real pairs of the window."""
+               USE_INITIAL_STATE: tl.constexpr, E_GIVEN: tl.constexpr):
+    """The windowed rules' per-step gates from the window t-W+1..t: (valid, 1/B_t, E_t, lam', den, eta, alpha,
+    clamped, g); B_t counts the real pairs of the window. E_t = mean ||x_j||^2 (falcon3a), or read from E
+    ([tokens, H]: falcon3's lambda_max / B_t, from fused_recurrent's window-energy kernel) with E_GIVEN."""
     b_x, valid = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, H, K, BK, WIN, SHIFT,
                              USE_INITIAL_STATE)
     b_x = b_x.to(tl.float32)
@@ -352,7 +353,10 @@ def _win_gates(k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_
         b_sq += tl.where(valid_d, tl.sum(b_xd * b_xd, 1), 0.)
         b_nb += valid_d.to(tl.float32)
     b_rB = tl.where(valid, 1 / tl.maximum(b_nb, 1.), 0.)
-    b_E = b_sq * b_rB
+    if E_GIVEN:
+        b_E = tl.load(E + (bos + o_t) * H + i_h, mask=valid, other=0)
+    else:
+        b_E = b_sq * b_rB
     b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
     b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
@@ -408,16 +412,17 @@ def _win_m_end(c, G, bos, i_hv, HV: tl.constexpr, b_Gl, last, o_p, valid_p, t0, 
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
 @triton.jit
-def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, G, eta,
+def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               SHIFT: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
               HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-              IS_VARLEN: tl.constexpr):
-    """Shift, energies, gates and the in-chunk cumulative log-decay G; `eta` holds eta (falcon3a: eta / B_t)."""
+              IS_VARLEN: tl.constexpr, E_GIVEN: tl.constexpr):
+    """Shift, energies, gates and the in-chunk cumulative log-decay G over BT steps; `eta` holds eta (the windowed
+    rules: c = eta / B_t). E_GIVEN: the window energies are read from E (falcon3, see _win_gates)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -437,10 +442,10 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, G, eta,
             tl.store(G + p_tv, tl.cumsum(b_g, 0), mask=m_tv)
             tl.store(eta + p_tv, b_eta, mask=m_tv)
     elif WIN > 0:
-        # falcon3a: the window energy and B_t; the step weight c_t = eta_t / B_t is what the kernels read
+        # falcon3a / falcon3: the window energy and B_t; the step weight c_t = eta_t / B_t is what the kernels read
         valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
-            k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
-            SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+            k, last_k, count, tail_x, beta, lam, E, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
+            SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE, E_GIVEN)
         tl.store(G + (bos + o_t) * HV + i_hv, tl.cumsum(b_g, 0), mask=m_t)
         tl.store(eta + (bos + o_t) * HV + i_hv, b_eta * b_rB, mask=m_t)
     else:
@@ -1512,8 +1517,8 @@ def _bwd_win_dqv(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, d
             b_y = tl.sum(tl.where(m, tl.exp(tl.where(m, b_G[:, None] - b_Gr[None, :], 0.)) * b_dMp, 0.), 0)
             b_dc += tl.sum(tl.where((o_j[None, :] + d - 16) == o_s[:, None], b_y[None, :], 0.), 1)
     valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
-        k, last_k, count, tail_x, beta, lam, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
-        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+        k, last_k, count, tail_x, beta, lam, None, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
+        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE, False)
     b_dG -= b_eta * b_rB * b_dc
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, tl.zeros([BT], dtype=tl.float32), b_dc * b_rB, b_lp, b_den,
                                         b_eta, b_a, clamped, valid)
@@ -1705,8 +1710,8 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         U = torch.empty_like(v)
         vn = torch.empty_like(v)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
-        PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+        k, v, beta, lam, last_k, count, tail_x, None, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
+        PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
     if delta:
         common_s = {key: val for key, val in common.items() if key not in ('V', 'BV')}
         _wy_solve[(NT, B * HV)](k, last_k, count, G, eta, A, cu_seqlens, ci, co, T, **common_s)

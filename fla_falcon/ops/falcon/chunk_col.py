@@ -237,8 +237,8 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     G = torch.empty(B, T, HV, V, **f32)
     eta = torch.empty_like(G)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
-        PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **common)
+        k, v, beta, lam, last_k, count, None, None, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
+        PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
     M = torch.empty(B, T, m['H'], m['BT'], **f32)
     gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT', 'USE_INITIAL_STATE',
                                                                   'IS_VARLEN')}

@@ -14,9 +14,9 @@ lower by step (its WP x WP diagonal blocks are zero). With ``G`` the in-chunk cu
     S_next = exp(G_C) S0 + X^T (exp(G_C - G_t(r)) V'),
     o_t = scale (exp(G_t) q_t^T S0 + sum_{r: t(r) <= t} exp(G_t - G_t(r)) (q_t . x_r) V'_r).
 
-Every exponent is ``G_a - G_b`` with b <= a (<= 0). The window energy ``lambda_max(X_t X_t^T) / B_t`` is
-``fused_recurrent``'s token-parallel kernel. Virtual-row tensors (A, W, U, V') are stored chunk-major,
-``[chunks * 64, HV, .]``.
+Every exponent is ``G_a - G_b`` with b <= a (<= 0). The window energy ``lambda_max(X_t X_t^T) / B_t`` comes from
+``fused_recurrent``'s token-parallel kernel, the gates from falcon3a's ``_prep_fwd`` given those energies.
+Virtual-row tensors (A, W, U, V') are stored chunk-major, ``[chunks * 64, HV, .]``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ import triton.language as tl
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     CONFIGS_H,
-    _gate,
     _load_win_v,
     _load_win_x,
     _meta,
-    _n_tail,
-    _ridge,
+    _prep_fwd,
     _seq_info,
     _seq_span,
     _wy_diag_inv,
@@ -43,49 +41,6 @@ from fla_falcon.ops.falcon.chunk import (
 from fla_falcon.ops.falcon.fused_recurrent import NSQ, falcon_window_energy_kernel
 
 VR = 64   # virtual rows per chunk
-
-
-@triton.jit
-def _pair_valid(count, i_n, o_p, m_p, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """Whether a pair exists at the in-sequence positions o_p (p < 0: the carried tail), as _load_win_x finds."""
-    if SHIFT:
-        if USE_INITIAL_STATE:
-            has_prev = tl.load(count + i_n + o_p * 0) > 0
-            valid = m_p & (o_p >= 0) & ((o_p > 0) | has_prev)
-        else:
-            valid = m_p & (o_p > 0)
-    else:
-        valid = m_p & (o_p >= 0)
-    if USE_INITIAL_STATE:
-        if WIN > 1:
-            valid = valid | (m_p & (o_p < 0) & (o_p >= -_n_tail(count, i_n, o_p, WIN, SHIFT)))
-    return valid
-
-
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (1, 2)], key=['H', 'HV', 'BS', 'WIN', 'IS_VARLEN'])
-@triton.jit
-def _prep_win3(E, beta, lam, count, G, c, cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
-               H: tl.constexpr, HV: tl.constexpr, BS: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-               HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-               IS_VARLEN: tl.constexpr):
-    """Per step: B_t, the gates from the window energy E (eta, the clamp, g = log(1 - alpha)), c = eta / B_t and
-    the cumulative log-decay G over the chunk's BS steps."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    o_t = i_t * BS + tl.arange(0, BS)
-    m_t = o_t < T
-    valid = _pair_valid(count, i_n, o_t, m_t, WIN, SHIFT, USE_INITIAL_STATE)
-    b_nb = valid.to(tl.float32)
-    for d in tl.static_range(1, WIN):
-        b_nb += _pair_valid(count, i_n, o_t - d, m_t, WIN, SHIFT, USE_INITIAL_STATE).to(tl.float32)
-    b_E = tl.load(E + (bos + o_t) * H + i_h, mask=valid, other=0)
-    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
-    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
-    tl.store(G + (bos + o_t) * HV + i_hv, tl.cumsum(b_g, 0), mask=m_t)
-    tl.store(c + (bos + o_t) * HV + i_hv, tl.where(valid, b_eta / tl.maximum(b_nb, 1.), 0.), mask=m_t)
 
 
 @triton.jit
@@ -300,11 +255,14 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
         falcon_window_energy_kernel[(B * T, H)](
             k, last_k, tail_x, count, E, cu_seqlens, seq_idx, T, H=H, K=K, W=window, BK=triton.next_power_of_2(K),
             BW=WP, SHIFT=shift, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, NSQ=NSQ, num_warps=1)
+    # per step: B_t, the gates from E, c = eta / B_t and G over the chunk's BS steps (falcon3a's prep kernel)
     G = torch.empty(B, T, HV, **f32)
     c = torch.empty(B, T, HV, **f32)
     win_kw = dict(H=H, HV=HV, BS=BS, WIN=window, SHIFT=int(shift), USE_INITIAL_STATE=use_init, IS_VARLEN=varlen)
-    _prep_win3[(NT, B * HV)](E, beta, lam, count, G, c, cu_seqlens, ci, co, eps, eps_gamma, T,
-                             HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, **win_kw)
+    _prep_fwd[(NT, B * HV)](
+        k, v, beta, lam, last_k, count, tail_x, E, G, c, cu_seqlens, ci, co, eps, eps_gamma, T, H=H, HV=HV, K=K, V=V,
+        BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
+        LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
     NV = m['NTH'] * VR
     A = torch.empty(NV, HV, VR, **f32)
     row_kw = dict(win_kw, K=K, BK=BK, WP=WP)
