@@ -1930,13 +1930,15 @@ def chunk_falcon(
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    if rule == 'falcon3':
-        if window == 1:   # the window of one pair is falcon1
-            rule = 'falcon1'
-        else:
-            return _chunk_falcon3(q, k, v, beta, lam, window, scale, eps, eps_gamma, lam_coupled, shift,
-                                  initial_state, output_final_state, cu_seqlens, N)
-    if rule not in SUPPORTED_RULES:
+    if rule == 'falcon3' and window == 1:   # the window of one pair is falcon1
+        rule = 'falcon1'
+    forward_only = rule in chunk_falcon.forward_only_rules
+    if forward_only:
+        leaves = [q, k, v, beta, lam] + (list(initial_state[:4]) if initial_state is not None else [])
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
+            raise NotImplementedError(f"chunk_falcon's {rule} has no backward yet: use fused_recurrent_falcon for "
+                                      "training, or call it under torch.no_grad()")
+    elif rule not in SUPPORTED_RULES:
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
@@ -1971,9 +1973,14 @@ def chunk_falcon(
         tail_v0 = initial_state.tail_v.float().contiguous() if win > 1 else None
     else:
         S0 = last_k0 = count = tail_x0 = tail_v0 = None
-    o, ht = ChunkFalconFunction.apply(
-        q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps), float(eps_gamma), regression,
-        per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+    if forward_only:   # falcon3 (chunk_win.py)
+        from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
+        o, ht, _ = chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps),
+                                     float(eps_gamma), lam_coupled, shift, output_final_state, cu_seqlens, window)
+    else:
+        o, ht = ChunkFalconFunction.apply(
+            q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps), float(eps_gamma),
+            regression, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
     final_state = None
     if output_final_state:
         final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift)
@@ -2032,41 +2039,3 @@ def _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window,
 chunk_falcon.supported_rules = SUPPORTED_RULES
 # rules with a chunk forward only (no backward yet): the layer keeps fused_recurrent for them
 chunk_falcon.forward_only_rules = ('falcon3',)
-
-
-def _chunk_falcon3(q, k, v, beta, lam, window, scale, eps, eps_gamma, lam_coupled, shift, initial_state,
-                   output_final_state, cu_seqlens, N):
-    """falcon3 (window >= 2): forward only so far (chunk_win.py); its backward is not written yet."""
-    from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
-    leaves = [q, k, v, beta, lam] + (list(initial_state[:4]) if initial_state is not None else [])
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
-        raise NotImplementedError("chunk_falcon's falcon3 has no backward yet: use fused_recurrent_falcon for "
-                                  "training, or call it under torch.no_grad()")
-    if window > 8:
-        raise NotImplementedError(f"chunk_falcon supports falcon3 windows up to 8, got window={window}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    out_dtype, fp64 = v.dtype, q.dtype == torch.float64
-    if fp64:
-        q, k, v = q.float(), k.float(), v.float()
-    else:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
-    lam = lam.contiguous() if lam is not None else None
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(torch.int32 if cu_seqlens.dtype != torch.int64 else torch.int64)
-    S0 = last_k0 = count = tail_x0 = tail_v0 = None
-    if initial_state is not None:
-        S0 = initial_state.S.float().contiguous()
-        last_k0 = initial_state.last_k.float().contiguous()
-        count = initial_state.count.to(torch.int32).contiguous()
-        tail_x0 = initial_state.tail_x.float().contiguous()
-        tail_v0 = initial_state.tail_v.float().contiguous()
-    o, ht, _ = chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps),
-                                 float(eps_gamma), lam_coupled, shift, output_final_state, cu_seqlens, window)
-    final_state = None
-    if output_final_state:
-        final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift)
-        if fp64:
-            final_state = FalconState(*(t.double() for t in final_state[:4]), final_state.count)
-    return o.to(out_dtype), final_state
