@@ -12,9 +12,9 @@ from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
 
 # fp32 matmuls run in tf32 on the GPU
 RATIO = {torch.float32: 5e-3 if DEVICE == 'cuda' else 1e-4, torch.bfloat16: 2e-2}
-# the generic tests run the windowed rule with this window; its own tests below cover W = 1, 2, 4, 8
-WINDOW = {'falcon3a': 3}
-# rules whose length/varlen grid runs in the generic tests (falcon3a has its own, per window)
+# the generic tests run the windowed rules with this window; their own tests cover the others (falcon3a below)
+WINDOW = {'falcon3a': 3, 'falcon3': 3}
+# rules whose length/varlen grid runs in the generic tests (the windowed ones have their own, per window)
 BASE_RULES = tuple(r for r in SUPPORTED_RULES if r not in WINDOW)
 
 
@@ -208,7 +208,6 @@ def test_falcon2a_equal_gains_is_falcon1a(device):
 
 def test_unsupported_and_bad_args(device):
     q, k, v, beta, lam, _ = make_inputs('falcon1', 1, 8, 1, 1, 16, 16, 'on', False, device)
-    # (falcon3: forward only, its own tests in test_chunk_falcon3.py)
     for rule in ('falcon2', 'falcon2a', 'falcon3a'):
         if rule in SUPPORTED_RULES:
             continue

@@ -69,7 +69,7 @@ from fla_falcon.ops.falcon.utils import (
     validate_falcon_inputs,
 )
 
-SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2', 'falcon2a', 'falcon3a')
+SUPPORTED_RULES = ('falcon1', 'falcon1a', 'falcon2', 'falcon2a', 'falcon3', 'falcon3a')
 
 # 8 warps keep the backward kernels free of register spills at K = V = 128 (ptxas, sm_90a); the
 # interpreter keeps only the first config
@@ -1689,6 +1689,11 @@ def _meta(q, v, chunk_size, cu_seqlens):
 
 def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col, win,
                lam_coupled, shift, output_final_state, cu_seqlens, chunk_size):
+    if delta and win:
+        # falcon3: the window's pairs as virtual rows of falcon1's WY form (chunk_win.py)
+        from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
+        return chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
+                                 lam_coupled, shift, output_final_state, cu_seqlens, win)
     if delta and per_col:
         # falcon2: one triangular system per value column, in the sequential kernel (chunk_col.py)
         from fla_falcon.ops.falcon.chunk_col import chunk_fwd_falcon2
@@ -1749,6 +1754,10 @@ def _col_outputs(v):
 
 def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
                per_col, win, lam_coupled, shift, cu_seqlens, chunk_size):
+    if delta and win:
+        from fla_falcon.ops.falcon.chunk_win import chunk_bwd_falcon3
+        return chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
+                                 eps_gamma, lam_coupled, shift, cu_seqlens, win)
     if delta and per_col:
         from fla_falcon.ops.falcon.chunk_col import chunk_bwd_falcon2
         return chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma,
@@ -1932,13 +1941,7 @@ def chunk_falcon(
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if rule == 'falcon3' and window == 1:   # the window of one pair is falcon1
         rule = 'falcon1'
-    forward_only = rule in chunk_falcon.forward_only_rules
-    if forward_only:
-        leaves = [q, k, v, beta, lam] + (list(initial_state[:4]) if initial_state is not None else [])
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves):
-            raise NotImplementedError(f"chunk_falcon's {rule} has no backward yet: use fused_recurrent_falcon for "
-                                      "training, or call it under torch.no_grad()")
-    elif rule not in SUPPORTED_RULES:
+    if rule not in SUPPORTED_RULES:
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
@@ -1973,14 +1976,9 @@ def chunk_falcon(
         tail_v0 = initial_state.tail_v.float().contiguous() if win > 1 else None
     else:
         S0 = last_k0 = count = tail_x0 = tail_v0 = None
-    if forward_only:   # falcon3 (chunk_win.py)
-        from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
-        o, ht, _ = chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps),
-                                     float(eps_gamma), lam_coupled, shift, output_final_state, cu_seqlens, window)
-    else:
-        o, ht = ChunkFalconFunction.apply(
-            q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps), float(eps_gamma),
-            regression, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+    o, ht = ChunkFalconFunction.apply(
+        q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps), float(eps_gamma),
+        regression, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
     final_state = None
     if output_final_state:
         final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift)
@@ -2038,4 +2036,4 @@ def _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window,
 
 chunk_falcon.supported_rules = SUPPORTED_RULES
 # rules with a chunk forward only (no backward yet): the layer keeps fused_recurrent for them
-chunk_falcon.forward_only_rules = ('falcon3',)
+chunk_falcon.forward_only_rules = ()

@@ -27,13 +27,19 @@ import triton.language as tl
 
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
+    CONFIGS_8W,
     CONFIGS_H,
     _load_win_v,
     _load_win_x,
     _meta,
+    _gates_bwd,
     _prep_fwd,
+    _reduce_groups,
     _seq_info,
     _seq_span,
+    _store_dk,
+    _store_gates,
+    _win_gates,
     _wy_diag_inv,
     _wy_lower1,
     _wy_lower2,
@@ -247,14 +253,16 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     use_init = S0 is not None
     varlen = cu_seqlens is not None
     E = torch.empty(max(B * T, 1), H, **f32)
+    Ue = torch.empty(max(B * T, 1), H, WP, **f32)   # each window's top eigenvector, for the energy's gradient
     if B * T > 0:
         seq_idx = None
         if varlen:
             seq_idx = torch.searchsorted(cu_seqlens, torch.arange(B * T, device=dev, dtype=cu_seqlens.dtype),
                                          right=True) - 1
         falcon_window_energy_kernel[(B * T, H)](
-            k, last_k, tail_x, count, E, cu_seqlens, seq_idx, T, H=H, K=K, W=window, BK=triton.next_power_of_2(K),
-            BW=WP, SHIFT=shift, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, NSQ=NSQ, num_warps=1)
+            k, last_k, tail_x, count, E, Ue, cu_seqlens, seq_idx, T, H=H, K=K, W=window,
+            BK=triton.next_power_of_2(K), BW=WP, SHIFT=shift, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, NSQ=NSQ,
+            STORE_U=True, num_warps=1)
     # per step: B_t, the gates from E, c = eta / B_t and G over the chunk's BS steps (falcon3a's prep kernel)
     G = torch.empty(B, T, HV, **f32)
     c = torch.empty(B, T, HV, **f32)
@@ -281,4 +289,363 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     _fwd_o3[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, ci, co, T, V=V, BV=BV, BSO=max(BS, 16),
         **row_kw)
-    return o, ht, (E, G, c, A, Wt, vn, h)
+    return o, ht, (E, Ue, G, c, A, Wt, vn, h)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: falcon1's (the WY form's) in virtual rows. The outputs are per step (BS rows, q and do), the writes
+# per virtual row (x, V', W, A); masks go by step. Per-row gradients of x and y land in fp32 buffers dXr, dYr
+# ([chunks * 64, HV, .]); _bwd_pairs3 sums the up to W rows of each pair into dk and dv. The gates' sums run per
+# step: a row's contribution goes to its step through a [BS, 64] selection.
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _steps(q, G, i_h, i_hv, bos, t0, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+           BS: tl.constexpr, BSO: tl.constexpr):
+    """The chunk's output steps (BSO >= 16 rows for the dot tiles; those past BS are masked): t, mask, q, G_t."""
+    o_s = tl.arange(0, BSO)
+    o_t = t0 + o_s
+    m_t = (o_s < BS) & (o_t < T)
+    o_k = tl.arange(0, BK)
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                  other=0)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    return o_t, m_t, b_q, b_G
+
+
+@triton.jit
+def _row_steps(b_r, o_tr, o_ts):
+    """Per-step sums ([len(o_ts)]) of the per-virtual-row values b_r (rows of steps o_tr)."""
+    return tl.sum(tl.where(o_tr[None, :] == o_ts[:, None], b_r[None, :], 0.), 1)
+
+
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dv_local3(q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, BS: tl.constexpr, BSO: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr,
+                   SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dV' from the outputs of the same chunk: dV'_r = scale sum_{t >= t(r)} exp(G_t - G_t(r)) (x_r . q_t) do_t."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
+    t0 = i_t * BS
+    vbase = (boh + i_t) * 64
+    o_r = tl.arange(0, 64)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_tq, m_tq, b_q, b_Gq = _steps(q, G, i_h, i_hv, bos, t0, T, H, HV, K, BK, BS, BSO)
+    o_t, _, _, b_x, _, b_G, _, _ = _vrows(k, last_k, count, tail_x, G, G, i_n, i_h, i_hv, bos, t0, 0, T,
+                                          H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
+    m_s = (o_t[:, None] <= o_tq[None, :]) & m_tq[None, :]   # real output steps only (see _fwd_o3)
+    b_st = tl.where(m_s, tl.dot(b_x, tl.trans(b_q)) * tl.exp(tl.where(m_s, b_Gq[None, :] - b_G[:, None], 0.)),
+                    0.) * scale
+    b_do = tl.load(do + ((bos + o_tq) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_tq[:, None] & m_v[None, :],
+                   other=0)
+    b_du = tl.dot(b_st.to(b_do.dtype), b_do)
+    tl.store(du + ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :], b_du, mask=m_v[None, :])
+
+
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'], restore_value=['du'])
+@triton.jit
+def _bwd_dhu3(q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, BS: tl.constexpr, BSO: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr,
+              SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+              IS_VARLEN: tl.constexpr):
+    """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; adds the state path
+    exp(G_C - G_t(r)) x_r dh to dV' and takes dS0 -= W^T dV' (V' = U - W S0), as falcon1's _bwd_dhu."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = (o_k < K)[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
+    for i_t in range(NT - 1, -1, -1):
+        tl.store(dh + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        t0 = i_t * BS
+        vbase = (boh + i_t) * 64
+        last = min(t0 + BS, T) - 1
+        o_tq, m_tq, b_q, b_Gq = _steps(q, G, i_h, i_hv, bos, t0, T, H, HV, K, BK, BS, BSO)
+        o_t, _, _, b_x, _, b_G, _, _ = _vrows(k, last_k, count, tail_x, G, G, i_n, i_h, i_hv, bos, t0, 0, T,
+                                              H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
+        b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+        b_do = tl.load(do + ((bos + o_tq) * HV + i_hv)[:, None] * V + o_v[None, :],
+                       mask=m_tq[:, None] & m_v[None, :], other=0)
+        b_dod = (b_do * (tl.exp(b_Gq) * scale)[:, None]).to(b_q.dtype)
+        b_dh_next = b_dh
+        b_dh = b_dh * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), b_dod)
+        p_rv = ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0)
+        b_du += tl.dot(b_x, b_dh_next.to(b_q.dtype)) * tl.where(o_t < T, tl.exp(b_Gl - b_G), 0.)[:, None]
+        tl.store(du + p_rv, b_du, mask=m_v[None, :])
+        b_w = tl.load(Wt + ((vbase + o_r) * HV + i_hv)[:, None] * K + o_k[None, :], mask=(o_k < K)[None, :], other=0)
+        b_dh -= tl.dot(tl.trans(b_w), b_du.to(b_w.dtype))
+    if USE_INITIAL_STATE:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.jit
+def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
+              cu_seqlens, chunk_indices, chunk_offsets, T,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, BS: tl.constexpr, BSO: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr,
+              SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per chunk, as falcon1's _bwd_dqx: dq per step; per virtual row the output/state part of dx and
+    dW = -dV' h^T; the decay gradient of those paths per step (q.dq - sum of the step's rows' x.dx, plus
+    <S_next, dS_next> on the last step)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
+    t0 = i_t * BS
+    vbase = (boh + i_t) * 64
+    last = min(t0 + BS, T) - 1
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_tq, m_tq, b_q, b_Gq = _steps(q, G, i_h, i_hv, bos, t0, T, H, HV, K, BK, BS, BSO)
+    o_t, _, _, b_x, _, b_G, _, _ = _vrows(k, last_k, count, tail_x, G, G, i_n, i_h, i_hv, bos, t0, 0, T,
+                                          H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
+    b_Gl = tl.load(G + (bos + last) * HV + i_hv)
+    dt = b_q.dtype
+    b_dq = tl.zeros([BSO, BK], dtype=tl.float32)
+    b_dxs = tl.zeros([64, BK], dtype=tl.float32)
+    b_dw = tl.zeros([64, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BSO, 64], dtype=tl.float32)
+    b_dst = tl.zeros([64, BSO], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_k[:, None] & m_v[None, :], other=0)
+        b_dh = tl.load(dh + p_kv, mask=m_k[:, None] & m_v[None, :], other=0)
+        b_do = tl.load(do + ((bos + o_tq) * HV + i_hv)[:, None] * V + o_v[None, :],
+                       mask=m_tq[:, None] & m_v[None, :], other=0).to(dt)
+        p_rv = ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0)
+        b_u = tl.load(vn + p_rv, mask=m_v[None, :], other=0).to(dt)
+        b_dw += tl.dot(b_du.to(dt), tl.trans(b_h.to(dt)))
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(dt)))
+        b_ds += tl.dot(b_do, tl.trans(b_u))
+        b_dst += tl.dot(b_u, tl.trans(b_do))
+        b_dxs += tl.dot(b_u, tl.trans(b_dh.to(dt)))
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    m_s = (o_t[None, :] <= o_tq[:, None]) & m_tq[:, None]    # [step, row], real steps only
+    b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_Gq[:, None] - b_G[None, :], 0.)), 0.) * scale
+    b_dq = b_dq * (tl.exp(b_Gq) * scale)[:, None] + tl.dot(b_ds.to(dt), b_x)
+    b_dGq = tl.sum(b_q.to(tl.float32) * b_dq, 1)
+    tl.store(dq + ((bos + o_tq) * HV + i_hv)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_tq[:, None] & m_k[None, :])
+    m_st = (o_t[:, None] <= o_tq[None, :]) & m_tq[None, :]   # [row, step]
+    b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_Gq[None, :] - b_G[:, None], 0.)), 0.) * scale
+    b_xf = b_x.to(tl.float32)
+    b_dxs = b_dxs * tl.where(o_t < T, tl.exp(b_Gl - b_G), 0.)[:, None]
+    b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
+    b_dx = b_dxs + tl.dot(b_dst.to(dt), b_q)
+    p_rk = ((vbase + o_r) * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dx + p_rk, b_dx, mask=m_k[None, :])
+    tl.store(dw + p_rk, -b_dw, mask=m_k[None, :])
+    b_dGq += tl.where(o_tq == last, b_end, 0.) - _row_steps(tl.sum(b_xf * b_dx, 1), o_t, o_tq)
+    tl.store(dG + (bos + o_tq) * HV + i_hv, b_dGq, mask=m_tq)
+
+
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.jit
+def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, dP, dx, dG, dw, du, dXr, dYr,
+                dbeta, dlam, eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, BS: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    """falcon1's WY backward (_bwd_gates) in virtual rows: dx and dy of every row (fp32, 0 where no pair) into dXr
+    and dYr; per step the sums of dG, of the direct gradient of g and of dc, then the gates' chain rule
+    (deta = dc / B_t; dbeta, dlam) and the energy's: E_t = lambda_max / B_t with top eigenvector u (from the
+    forward) gives dx_r += (2 dE_t / B_t) u_r w_t, w_t = sum over the step's rows u_r x_r."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
+    t0 = i_t * BS
+    vbase = (boh + i_t) * 64
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_t, o_p, m_p, b_x, valid, b_G, b_Gx, b_c = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0,
+                                                       T, H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
+    dt = b_x.dtype
+    b_xf = b_x.to(tl.float32)
+    b_b = b_c * tl.exp(b_Gx)
+    b_cv = tl.where(valid, b_c, 0.)
+    p_A = ((vbase + o_r) * HV + i_hv)[:, None] * 64 + o_r[None, :]
+    # A^T through transposed pointers (row s of A^T is column s of A)
+    p_At = ((vbase + o_r) * HV + i_hv)[None, :] * 64 + o_r[:, None]
+    b_At = tl.load(A + p_At).to(dt)
+    # W = A diag(b) X, U = A diag(c) Y: dA = dV' (cY)^T + dW (bX)^T
+    b_dA = tl.zeros([64, 64], dtype=tl.float32)
+    b_dc = tl.zeros([64], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_y = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        p_rv = ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0).to(dt)
+        b_dA += tl.dot(b_du, tl.trans((b_y * b_cv[:, None]).to(dt)))
+        b_Atdu = tl.dot(b_At, b_du)
+        tl.store(dYr + p_rv, b_Atdu * b_cv[:, None], mask=m_v[None, :])
+        b_dc += tl.sum(b_Atdu * b_y, 1)
+    b_dc = tl.where(valid, b_dc, 0.)
+    p_rk = ((vbase + o_r) * HV + i_hv)[:, None] * K + o_k[None, :]
+    b_dw = tl.load(dw + p_rk, mask=m_k[None, :], other=0).to(dt)
+    b_dA += tl.dot(b_dw, tl.trans((b_xf * b_b[:, None]).to(dt)))
+    # A = (I + P)^-1: dP = -A^T dA A^T on the part strictly lower by step
+    b_dL = -tl.dot(tl.dot(b_At, b_dA.to(dt)).to(dt), b_At)
+    m_l = (o_t[:, None] > o_t[None, :]) & (o_t < T)[:, None]
+    b_F = tl.where(m_l, tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)), 0.)
+    b_P = b_dL * b_F * b_c[:, None]
+    # P^T through a scratch buffer: a transposed dot result fed into tl.dot miscompiles on Hopper
+    tl.store(dP + p_A, b_P)
+    b_dx = tl.dot(b_P.to(dt), b_x)
+    b_R = b_dL * b_F * tl.dot(b_x, tl.trans(b_x))
+    b_dc += tl.sum(b_R, 1)
+    b_Q = b_R * b_c[:, None]
+    # per row: its share of dG of its step (the exponents G_{t-1} of its P row, G_t of its P column) and of the
+    # direct gradient of g_t (G_{t-1} = G_t - g_t inside the chunk)
+    b_z = tl.sum(b_Q, 1) - tl.sum(b_Q, 0)
+    b_zd = -tl.sum(b_Q, 1)
+    tl.debug_barrier()
+    b_Pt = tl.load(dP + p_At)
+    b_dx += tl.dot(b_Pt.to(dt), b_x)
+    b_Atdw = tl.dot(b_At, b_dw)
+    b_db = tl.sum(b_Atdw * b_xf, 1)
+    b_dx += tl.load(dx + p_rk, mask=m_k[None, :], other=0) + b_Atdw * b_b[:, None]
+    b_dc += b_db * tl.exp(b_Gx)
+    b_z += b_db * b_b
+    b_zd -= b_db * b_b
+    # the step's gates
+    o_ts = t0 + tl.arange(0, BS)
+    m_ts = o_ts < T
+    b_dG = tl.load(dG + (bos + o_ts) * HV + i_hv, mask=m_ts, other=0) + _row_steps(b_z, o_t, o_ts)
+    valid_s, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
+        k, last_k, count, tail_x, beta, lam, E, i_n, i_h, i_hv, bos, o_ts, m_ts, eps, eps_gamma, H, HV, K, BK, WIN,
+        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE, True)
+    b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, _row_steps(b_zd, o_t, o_ts), _row_steps(b_dc, o_t, o_ts) * b_rB,
+                                        b_lp, b_den, b_eta, b_a, clamped, valid_s)
+    _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_ts, m_ts, i_hv, HV, HAS_LAM, LAM_COUPLED)
+    # the energy: d lambda_max = u^T dGram u, so dx_r += (2 dE_t / B_t) u_r sum_{rows s of t} u_s x_s
+    b_wE = tl.sum(tl.where(o_ts[:, None] == o_t[None, :], (2 * b_dden * b_rB)[:, None], 0.), 0)
+    b_u = tl.load(Ue + ((bos + o_t) * H + i_h) * WP + o_r % WP, mask=o_t < T, other=0)
+    b_Us = tl.where(o_t[:, None] == o_t[None, :], b_u[None, :], 0.)
+    b_dx += (b_wE * b_u)[:, None] * tl.dot(b_Us.to(dt), b_x)
+    tl.store(dXr + p_rk, tl.where(valid[:, None], b_dx, 0.), mask=m_k[None, :])
+
+
+@triton.jit
+def _bwd_pairs3(dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, chunk_indices, chunk_offsets, T,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+                BS: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dk and dv of the chunk's pairs p (and at a sequence start of the carried tail's, p < 0): the sums of the
+    rows that hold them, slot WP - 1 - d of step p + d for d < W (in this chunk or the next: a sequence's virtual
+    rows are contiguous, row (t, a) at 64 * first chunk + WP * t + a), in a fixed order."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
+    o_p = i_t * BS + tl.arange(0, BS)
+    m_p = o_p < T
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BVF)
+    b_dx = tl.zeros([BS, BK], dtype=tl.float32)
+    b_dy = tl.zeros([BS, BVF], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        m_r = m_p & (o_p + d < T)
+        r = boh * 64 + (o_p + d) * WP + WP - 1 - d
+        b_dx += tl.load(dXr + (r * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                        other=0)
+        b_dy += tl.load(dYr + (r * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_r[:, None] & (o_v < V)[None, :],
+                        other=0)
+    _store_dk(b_dx, m_p, dk, dlast_k, i_n, i_t, i_hv, bos, o_p, m_p, T, HV, K, BK, SHIFT, USE_INITIAL_STATE, False,
+              dk, m_p)
+    tl.store(dv + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dy.to(dv.dtype.element_ty),
+             mask=m_p[:, None] & (o_v < V)[None, :])
+    if USE_INITIAL_STATE:
+        if i_t == 0:
+            # the tail's pairs p = -(W - 1) .. -1 (rows of steps 0 .. p + W - 1)
+            o_j = tl.arange(0, 8)
+            p = o_j - 8
+            m_j = p >= -(WIN - 1)
+            b_tx = tl.zeros([8, BK], dtype=tl.float32)
+            b_ty = tl.zeros([8, BVF], dtype=tl.float32)
+            for d in tl.static_range(1, WIN):
+                m_r = m_j & (p + d >= 0) & (p + d < T)
+                r = boh * 64 + (p + d) * WP + WP - 1 - d
+                b_tx += tl.load(dXr + (r * HV + i_hv)[:, None] * K + o_k[None, :],
+                                mask=m_r[:, None] & (o_k < K)[None, :], other=0)
+                b_ty += tl.load(dYr + (r * HV + i_hv)[:, None] * V + o_v[None, :],
+                                mask=m_r[:, None] & (o_v < V)[None, :], other=0)
+            row = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + p
+            tl.store(dtail_x + row[:, None] * K + o_k[None, :], b_tx, mask=m_j[:, None] & (o_k < K)[None, :])
+            tl.store(dtail_v + row[:, None] * V + o_v[None, :], b_ty, mask=m_j[:, None] & (o_v < V)[None, :])
+
+
+def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
+                      lam_coupled, shift, cu_seqlens, window):
+    """falcon3's chunk backward: (dq, dk, dv, dbeta, dlam, dS0, dlast_k, dtail_x, dtail_v)."""
+    E, Ue, G, c, A, Wt, vn, h = saved
+    WP = triton.next_power_of_2(window)
+    BS = VR // WP
+    m = _meta(q, v, BS, cu_seqlens)
+    B, T, H, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    use_init = S0 is not None
+    varlen = cu_seqlens is not None
+    row_kw = dict(H=H, HV=HV, K=K, V=V, BK=BK, BS=BS, WP=WP, WIN=window, SHIFT=int(shift),
+                  USE_INITIAL_STATE=use_init, IS_VARLEN=varlen)
+    BSO = max(BS, 16)
+    do = do.contiguous()
+    NV = m['NTH'] * VR
+    du = torch.empty(NV, HV, V, **f32)
+    _bwd_dv_local3[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ci, co, T, BV=BV, BSO=BSO, **row_kw)
+    dh = torch.empty_like(h)
+    dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
+    _bwd_dhu3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+        q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, cu_seqlens, co, T, BSO=BSO,
+        USE_FINAL_STATE_GRADIENT=dht is not None, **row_kw)
+    # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
+    kdt = q.dtype if HV == H else torch.float32
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
+    dx = torch.empty(NV, HV, K, **f32)
+    dw = torch.empty(NV, HV, K, **f32)
+    dG = torch.empty(B, T, HV, **f32)
+    _bwd_dqx3[(NT, B * HV)](q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
+                            cu_seqlens, ci, co, T, BV=BV, BSO=BSO, **row_kw)
+    dXr = torch.empty(NV, HV, K, **f32)
+    dYr = torch.empty(NV, HV, V, **f32)
+    dbeta = torch.empty(beta.shape, **f32)
+    dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
+    _bwd_gates3[(NT, B * HV)](
+        k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, torch.empty_like(A), dx, dG, dw, du, dXr,
+        dYr, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, BV=BV, HAS_LAM=lam is not None,
+        LAM_COUPLED=lam_coupled, **row_kw)
+    # every row of dk is written (_store_dk: the zero gradient of a sequence's last key too)
+    dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
+    dv = torch.empty_like(v)
+    dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
+    dtail_x = torch.zeros(N, HV, window - 1, K, **f32) if use_init else None
+    dtail_v = torch.zeros(N, HV, window - 1, V, **f32) if use_init else None
+    _bwd_pairs3[(NT, B * HV)](dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, ci, co, T,
+                              BVF=max(triton.next_power_of_2(V), 16), **{x: y for x, y in row_kw.items() if x != 'H'})
+    return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)

@@ -424,14 +424,16 @@ def _load_gates(beta, lam, bos, t, i_hv, o_v, HV: tl.constexpr, V: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=['T'])
-def falcon_window_energy_kernel(k, lk0, tx0, c0, E, cu_seqlens, seq_idx, T,
+def falcon_window_energy_kernel(k, lk0, tx0, c0, E, U, cu_seqlens, seq_idx, T,
                                 H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
                                 BW: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                                IS_VARLEN: tl.constexpr, NSQ: tl.constexpr):
+                                IS_VARLEN: tl.constexpr, NSQ: tl.constexpr, STORE_U: tl.constexpr = False):
     """falcon3's window energy ``E_t = lambda_max(X_t X_t^T) / B_t`` of one (token, key head).
 
     It depends on the keys only, not on the state, so it runs token-parallel before the recurrence;
-    the forward kernel then reads it instead of recomputing it in each of its value-block programs."""
+    the forward kernel then reads it instead of recomputing it in each of its value-block programs.
+    STORE_U: also the unit top eigenvector u ([tokens, H, BW], window row b at slot BW - W + b, the padding
+    slots 0), whose outer product u u^T is lambda_max's gradient w.r.t. the Gram (the chunk backward's)."""
     i_j, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(seq_idx + i_j).to(tl.int64)
@@ -449,8 +451,11 @@ def falcon_window_energy_kernel(k, lk0, tx0, c0, E, cu_seqlens, seq_idx, T,
     p_min = _p_min(c_init, W, SHIFT)
     X, _, m = _load_pairs(k, k, lk0, tx0, tx0, bos, t, p_min, i_n, i_h, i_h, o_w, o_k, o_v, o_w >= 0,
                           H, H, K, 0, W, SHIFT, USE_INITIAL_STATE)
-    lmax, _ = _top_eig(X, o_w, W, NSQ)
+    lmax, u = _top_eig(X, o_w, W, NSQ)
     tl.store(E + i_j * H + i_h, lmax / tl.maximum(tl.sum(m.to(tl.float32), 0), 1.0))
+    if STORE_U:
+        tl.store(U + (i_j * H + i_h) * BW + BW - W + o_w, u, mask=o_w < W)
+        tl.store(U + (i_j * H + i_h) * BW + o_w, tl.zeros_like(u), mask=o_w < BW - W)
 
 
 @triton.jit(do_not_specialize=['T'])
@@ -835,7 +840,7 @@ def falcon_fused_recurrent_fwd(q, k, v, beta, lam, scale, eps, eps_gamma, rule, 
             seq_idx = torch.searchsorted(cu_seqlens, torch.arange(B * T, device=q.device, dtype=cu_seqlens.dtype),
                                          right=True) - 1
         falcon_window_energy_kernel[(B * T, H)](
-            k, lk0, tx0, c0, E, cu_seqlens, seq_idx, T, H=H, K=K, W=W, BK=BK, BW=BW, SHIFT=shift,
+            k, lk0, tx0, c0, E, None, cu_seqlens, seq_idx, T, H=H, K=K, W=W, BK=BK, BW=BW, SHIFT=shift,
             USE_INITIAL_STATE=S0 is not None, IS_VARLEN=cu_seqlens is not None, NSQ=NSQ, num_warps=1)
     grid = (triton.cdiv(V, BV), N * HV)
     falcon_fused_recurrent_fwd_kernel[grid](
