@@ -14,6 +14,12 @@ if [ ! -f $L/started ]; then
     rm -rf /tmp/br && cp -r "$PWD" /tmp/br
     setsid bash /tmp/br/scripts/device_lease/chain.sh > $L/chain.log 2>&1 < /dev/null &
 fi
+# a later call may carry extra.sh (work committed after the lease began): run once, from this call's tree
+if [ -f scripts/device_lease/extra.sh ] && [ ! -f $L/extra_started ]; then
+    touch $L/extra_started
+    rm -rf /tmp/bx && cp -r "$PWD" /tmp/bx
+    (cd /tmp/bx && setsid bash scripts/device_lease/extra.sh > $L/extra.log 2>&1 < /dev/null &)
+fi
 end=$((SECONDS + S))
 while [ $SECONDS -lt $end ] && ! grep -q " done$" <(tail -n 1 $L/stage 2>/dev/null); do
     sleep 60
@@ -28,8 +34,9 @@ for f in $L/probe/*/log; do [ -f "$f" ] && { echo "=== $f: $(cat ${f%log}args)";
 echo "=== prebench"; grep -E "ms |^## |^\| (_|chunk|fal)" $L/prebench.log 2>/dev/null | head -n 80
 echo "=== accuracy"; grep "^|" $L/accuracy.log $L/accuracy/*.md 2>/dev/null | tail -n 9
 echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
+[ -f $L/extra.log ] && { echo "=== extra"; tail -n 15 $L/extra.log; }
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
-    chain.log stage tests* profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench 2>/dev/null
+    chain.log stage tests* extra* profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench 2>/dev/null
 if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
     tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
