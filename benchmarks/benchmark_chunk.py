@@ -8,7 +8,7 @@ falcon2a's per-column decay; shown for reference). fla 0.6.0 refuses its gated c
 #640); to time those baselines this script lifts that guard in its own process only (the
 miscompilation affects their gradients' values, not their speed) and says so in the table.
 
-falcon3 (chunk forward only so far) is timed forward only, against chunk_gated_delta_rule's forward.
+A rule with a chunk forward only (``chunk_falcon.forward_only_rules``; none now) is timed forward only.
 
 Writes benchmarks/results/chunk.json, chunk.md and chunk.png (each rule's forward+backward time over its
 baseline's, per shape, both measures, against the target); `--plot-only` redraws chunk.png from chunk.json on any
@@ -36,7 +36,7 @@ TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon2': ('chunk_gated_
            'falcon1a': ('chunk_simple_gla', 1.0),
            'falcon2a': ('chunk_simple_gla', 1.2), 'falcon3a': ('chunk_simple_gla', 1.3)}
 DEFAULT_SHAPES = ['4,4096,16,128,128', '1,16384,16,128,128']
-# rules with a chunk forward only (falcon3, no backward yet): timed forward only
+# rules with a chunk forward only (none now; falcon3 was until its backward came): timed forward only
 FORWARD_ONLY = tuple(getattr(chunk_falcon, 'forward_only_rules', ()))
 RULES = tuple(SUPPORTED_RULES) + FORWARD_ONLY
 

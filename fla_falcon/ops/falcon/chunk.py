@@ -1928,9 +1928,7 @@ def chunk_falcon(
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
     Supports ``falcon1``, ``falcon1a``, ``falcon2`` (its solve and state kernels in ``chunk_col.py``),
-    ``falcon2a`` and ``falcon3a`` with ``window <= 8``; ``falcon3`` (``window <= 8``, kernels in ``chunk_win.py``)
-    forward only so far: with inputs that require grad it raises ``NotImplementedError``, and the layer keeps
-    ``fused_recurrent`` for it (``SUPPORTED_RULES`` leaves it out).
+    ``falcon2a``, and ``falcon3`` (kernels in ``chunk_win.py``) and ``falcon3a`` with ``window <= 8``.
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
@@ -2035,5 +2033,5 @@ def _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window,
 
 
 chunk_falcon.supported_rules = SUPPORTED_RULES
-# rules with a chunk forward only (no backward yet): the layer keeps fused_recurrent for them
+# rules with a chunk forward only (no backward yet; none now): the layer would keep fused_recurrent for them
 chunk_falcon.forward_only_rules = ()

@@ -1,5 +1,5 @@
 # -*- coding: utf-8 -*-
-"""Chunk-parallel Triton kernels of falcon3, the sliding-window regression rule (work in progress: forward).
+"""Chunk-parallel Triton kernels of falcon3, the sliding-window regression rule (forward and backward).
 
 Step t writes the pairs of its window ``I_t = {t-W+1..t}`` (those that exist, ``B_t`` of them) with one
 coefficient ``c_t = eta_t / B_t`` and one decay ``gamma_t``, every residual at the state before the step
