@@ -1952,6 +1952,12 @@ def chunk_falcon(
     HV, V = v.shape[2:]
     if K > 256:
         raise ValueError(f"chunk_falcon supports head dims K <= 256, got K={K}")
+    if rule == 'falcon3' and window > 1 and q.dtype in (torch.float32, torch.float64) and K > 128:
+        # its kernels work on 64 virtual rows per chunk (chunk_size does not apply): with fp32 [64, K] tiles at
+        # K > 128 the state and backward kernels need more shared memory than Hopper's 227 KB with every config
+        # (scripts/aot_check.py); 2-byte inputs fit
+        raise NotImplementedError(f"chunk_falcon's falcon3 supports fp32 inputs with head dims K <= 128, got K={K}: "
+                                  "use bf16/fp16 inputs or fused_recurrent_falcon")
     if q.dtype in (torch.float32, torch.float64) and K > 64:
         # with fp32 matmul inputs and K > 64 the backward kernels' [chunk, K] tiles need more shared memory
         # at 64-row chunks than Hopper's 227 KB, for every config (OutOfResources at launch; see
