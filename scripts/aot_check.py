@@ -187,6 +187,12 @@ def main(argv=None) -> int:
                     continue
                 o, _ = op(q, k, v, beta, lam, rule=rule, window=W, output_final_state=True)
                 o.sum().backward()
+                # the variants with a carried state (initial state, last key and window tail): their branches
+                # compile only here
+                state = FalconState(torch.randn(B, H, K, V), torch.randn(B, H, K), torch.randn(B, H, W - 1, K),
+                                    torch.randn(B, H, W - 1, V), torch.full((B,), W, dtype=torch.int32))
+                o, _ = op(q, k, v, beta, lam, rule=rule, window=W, initial_state=state, output_final_state=True)
+                o.sum().backward()
             except Exception as e:   # noqa: BLE001  (the wrappers' own tensor code may trip on garbage)
                 print(f"  (wrapper stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]})")
     bad = [r for r in COMPILED if not r['ok']]

@@ -220,11 +220,14 @@ def test_unsupported_and_bad_args(device):
         chunk_falcon(q, k, v, beta, lam, rule='falcon3a', window=9)
     with pytest.raises(ValueError, match='beta'):
         chunk_falcon(q, k, v, beta[..., :1, None], lam, rule='falcon1')
-    # falcon3's fp32 tiles at K > 128 exceed Hopper's shared memory: refused before any kernel runs (the layer falls
-    # back to fused_recurrent), as with bf16 they are not
-    q2, k2, v2, beta2, lam2, _ = make_inputs('falcon3', 1, 8, 1, 1, 256, 16, 'on', False, device, window=2)
+    # falcon3's tiles exceed Hopper's shared memory at K > 128 (fp32: K > 64): refused before any kernel runs (the
+    # layer falls back to fused_recurrent)
+    q2, k2, v2, beta2, lam2, _ = make_inputs('falcon3', 1, 8, 1, 1, 80, 16, 'on', False, device, window=2)
     with pytest.raises(NotImplementedError, match='falcon3.*K <= 128'):
         chunk_falcon(q2, k2, v2, beta2, lam2, rule='falcon3', window=2)
+    with pytest.raises(NotImplementedError, match='falcon3.*K <= 128'):
+        chunk_falcon(*(t.to(torch.bfloat16) for t in (q2.repeat(1, 1, 1, 2), k2.repeat(1, 1, 1, 2))), v2, beta2, lam2,
+                     rule='falcon3', window=2)
 
 
 @pytest.mark.gpu
@@ -252,7 +255,7 @@ def test_gpu_large_heads(rule, dtype, K, device):
     chunks some configs exceed Hopper's 227 KB and fp32 at K > 64 exceeds it with every config, so the
     op runs those with smaller chunks (scripts/aot_check.py lists the shared memory of every config)."""
     inputs = make_inputs(rule, 1, 130, 2, 1, K, K, 'on', True, device, window=win(rule))
-    if rule == 'falcon3' and dtype == torch.float32 and K > 128:   # refused (test_unsupported_and_bad_args)
+    if rule == 'falcon3':   # refused at K > 128 (fp32: K > 64; test_unsupported_and_bad_args)
         with pytest.raises(NotImplementedError, match='K <= 128'):
             run_both(rule, *inputs, dtype, window=win(rule))
         return

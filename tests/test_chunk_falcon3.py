@@ -99,5 +99,7 @@ def test_gpu_lengths(window, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize('window', [2, 4, 8])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_gpu_long_heads128(window, dtype):
-    check(window, 1000, dtype=dtype, B=2, H=2, G=1, K=128, V=128)
+def test_gpu_long(window, dtype):
+    # heads of 128 in bf16; fp32 at K = 64 (falcon3 refuses fp32 at K > 64: see test_chunk's bad-args test)
+    K = 128 if dtype == torch.bfloat16 else 64
+    check(window, 1000, dtype=dtype, B=2, H=2, G=1, K=K, V=128)

@@ -1952,12 +1952,14 @@ def chunk_falcon(
     HV, V = v.shape[2:]
     if K > 256:
         raise ValueError(f"chunk_falcon supports head dims K <= 256, got K={K}")
-    if rule == 'falcon3' and window > 1 and q.dtype in (torch.float32, torch.float64) and K > 128:
-        # its kernels work on 64 virtual rows per chunk (chunk_size does not apply): with fp32 [64, K] tiles at
-        # K > 128 the state and backward kernels need more shared memory than Hopper's 227 KB with every config
-        # (scripts/aot_check.py); 2-byte inputs fit
-        raise NotImplementedError(f"chunk_falcon's falcon3 supports fp32 inputs with head dims K <= 128, got K={K}: "
-                                  "use bf16/fp16 inputs or fused_recurrent_falcon")
+    k_max = 64 if q.dtype in (torch.float32, torch.float64) else 128
+    if rule == 'falcon3' and window > 1 and K > k_max:
+        # its kernels work on 64 virtual rows per chunk (chunk_size does not apply). With a carried state, fp32 at
+        # K = 128 puts its backward's WY kernel (_bwd_gates3) at 228 KB of shared memory, and bf16 at K = 256 its
+        # state-gradient kernel (_bwd_dhu3) at 236-262 KB, over Hopper's 227 KB with every config
+        # (scripts/aot_check.py, Triton 3.6 sm_90)
+        raise NotImplementedError(f"chunk_falcon's falcon3 supports head dims K <= 128 (K <= 64 with fp32 inputs), "
+                                  f"got K={K} with {q.dtype}: use fused_recurrent_falcon")
     if q.dtype in (torch.float32, torch.float64) and K > 64:
         # with fp32 matmul inputs and K > 64 the backward kernels' [chunk, K] tiles need more shared memory
         # at 64-row chunks than Hopper's 227 KB, for every config (OutOfResources at launch; see

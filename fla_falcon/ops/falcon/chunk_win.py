@@ -580,19 +580,20 @@ def _bwd_pairs3(dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, chunk_i
              mask=m_p[:, None] & (o_v < V)[None, :])
     if USE_INITIAL_STATE:
         if i_t == 0:
-            # the tail's pairs p = -(W - 1) .. -1 (rows of steps 0 .. p + W - 1)
+            # the tail's pairs p = -(W - 1) .. -1 (rows of steps 0 .. p + W - 1); names of their own: a Triton
+            # variable keeps its shape across an if block ([8] here, [BS] above)
             o_j = tl.arange(0, 8)
             p = o_j - 8
             m_j = p >= -(WIN - 1)
             b_tx = tl.zeros([8, BK], dtype=tl.float32)
             b_ty = tl.zeros([8, BVF], dtype=tl.float32)
-            for d in tl.static_range(1, WIN):
-                m_r = m_j & (p + d >= 0) & (p + d < T)
-                r = boh * 64 + (p + d) * WP + WP - 1 - d
-                b_tx += tl.load(dXr + (r * HV + i_hv)[:, None] * K + o_k[None, :],
-                                mask=m_r[:, None] & (o_k < K)[None, :], other=0)
-                b_ty += tl.load(dYr + (r * HV + i_hv)[:, None] * V + o_v[None, :],
-                                mask=m_r[:, None] & (o_v < V)[None, :], other=0)
+            for e in tl.static_range(1, WIN):
+                m_rj = m_j & (p + e >= 0) & (p + e < T)
+                r_j = boh * 64 + (p + e) * WP + WP - 1 - e
+                b_tx += tl.load(dXr + (r_j * HV + i_hv)[:, None] * K + o_k[None, :],
+                                mask=m_rj[:, None] & (o_k < K)[None, :], other=0)
+                b_ty += tl.load(dYr + (r_j * HV + i_hv)[:, None] * V + o_v[None, :],
+                                mask=m_rj[:, None] & (o_v < V)[None, :], other=0)
             row = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + p
             tl.store(dtail_x + row[:, None] * K + o_k[None, :], b_tx, mask=m_j[:, None] & (o_k < K)[None, :])
             tl.store(dtail_v + row[:, None] * V + o_v[None, :], b_ty, mask=m_j[:, None] & (o_v < V)[None, :])
