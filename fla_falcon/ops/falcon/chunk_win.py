@@ -50,6 +50,16 @@ VR = 64   # virtual rows per chunk
 
 
 @triton.jit
+def _vchunk(i_t, i_bh, chunk_indices, cu_seqlens, chunk_offsets, T, H: tl.constexpr, HV: tl.constexpr,
+            BS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A chunk program's sequence, value head, key head, chunk in the sequence, first token, length, first chunk of
+    the sequence, first step and first virtual row."""
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
+    return i_n, i_hv, i_hv // (HV // H), i_t, bos, T, boh, i_t * BS, (boh + i_t) * 64
+
+
+@triton.jit
 def _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, r0, T, H: tl.constexpr, HV: tl.constexpr,
            K: tl.constexpr, BK: tl.constexpr, NR: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr,
            SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
@@ -90,12 +100,8 @@ def _wy_solve3(k, last_k, count, tail_x, G, c, A, cu_seqlens, chunk_indices, chu
                IS_VARLEN: tl.constexpr):
     """A = (I + P)^-1 over the chunk's 64 virtual rows, by 16-row blocks as falcon1's _wy_solve (each block holds
     whole steps: 16 is a multiple of WP, so only the diagonal blocks see the by-step mask)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    t0 = i_t * BS
-    vbase = (boh + i_t) * 64
+    i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
+                                                           cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     o_t0, _, _, b_x0, _, b_G0, b_Gx0, b_c0 = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
                                                      H, HV, K, BK, 16, WP, WIN, SHIFT, USE_INITIAL_STATE)
     o_t1, _, _, b_x1, _, b_G1, b_Gx1, b_c1 = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 16, T,
@@ -139,12 +145,8 @@ def _wy_wu3(k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, chu
             BV: tl.constexpr, BS: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """W = A diag(c exp(G_{t-1})) X and U = A diag(c) Y over the chunk's virtual rows (inputs' dtype)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    t0 = i_t * BS
-    vbase = (boh + i_t) * 64
+    i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
+                                                           cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     o_r = tl.arange(0, 64)
     o_k = tl.arange(0, BK)
     o_t, o_p, m_p, b_x, valid, b_G, b_Gx, b_c = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
@@ -210,12 +212,9 @@ def _fwd_o3(q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, chunk_i
             SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o_t = scale (exp(G_t) q_t^T S0 + sum_{r: t(r) <= t} exp(G_t - G_t(r)) (q_t . x_r) V'_r) for the chunk's
     steps (BSO >= 16 output rows: dot tiles; those past BS are masked)."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    t0 = i_t * BS
-    vbase = (boh + i_t) * 64
+    i_v = tl.program_id(0)
+    i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(1), tl.program_id(2), chunk_indices,
+                                                           cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     o_s = tl.arange(0, BSO)
     o_t = t0 + o_s
     m_t = (o_s < BS) & (o_t < T)
@@ -240,12 +239,20 @@ def _fwd_o3(q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, chunk_i
              mask=m_t[:, None] & m_v[None, :])
 
 
-def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
-                      shift, output_final_state, cu_seqlens, window):
-    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors)."""
+def _win_meta(q, v, window, S0, cu_seqlens, shift):
+    """Shapes and chunking of falcon3's kernels: (meta, WP, BS, the kernels' common constexprs)."""
     WP = triton.next_power_of_2(window)
     BS = VR // WP
     m = _meta(q, v, BS, cu_seqlens)
+    row_kw = dict(H=m['H'], HV=m['HV'], K=m['K'], V=m['V'], BK=m['BK'], BS=BS, WP=WP, WIN=window, SHIFT=int(shift),
+                  USE_INITIAL_STATE=S0 is not None, IS_VARLEN=cu_seqlens is not None)
+    return m, WP, BS, row_kw
+
+
+def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
+                      shift, output_final_state, cu_seqlens, window):
+    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors)."""
+    m, WP, BS, row_kw = _win_meta(q, v, window, S0, cu_seqlens, shift)
     B, T, H, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     dev = q.device
@@ -266,29 +273,26 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     # per step: B_t, the gates from E, c = eta / B_t and G over the chunk's BS steps (falcon3a's prep kernel)
     G = torch.empty(B, T, HV, **f32)
     c = torch.empty(B, T, HV, **f32)
-    win_kw = dict(H=H, HV=HV, BS=BS, WIN=window, SHIFT=int(shift), USE_INITIAL_STATE=use_init, IS_VARLEN=varlen)
     _prep_fwd[(NT, B * HV)](
         k, v, beta, lam, last_k, count, tail_x, E, G, c, cu_seqlens, ci, co, eps, eps_gamma, T, H=H, HV=HV, K=K, V=V,
         BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
     NV = m['NTH'] * VR
     A = torch.empty(NV, HV, VR, **f32)
-    row_kw = dict(win_kw, K=K, BK=BK, WP=WP)
-    _wy_solve3[(NT, B * HV)](k, last_k, count, tail_x, G, c, A, cu_seqlens, ci, co, T, **row_kw)
+    _wy_solve3[(NT, B * HV)](k, last_k, count, tail_x, G, c, A, cu_seqlens, ci, co, T,
+                             **{x: y for x, y in row_kw.items() if x != 'V'})
     Wt = torch.empty(NV, HV, K, device=dev, dtype=k.dtype)
     U = torch.empty(NV, HV, V, device=dev, dtype=k.dtype)
-    _wy_wu3[(NT, B * HV)](k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, ci, co, T, V=V, BV=BV,
-                          **row_kw)
+    _wy_wu3[(NT, B * HV)](k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, ci, co, T, BV=BV, **row_kw)
     h = torch.empty(m['NTH'], HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
     vn = torch.empty_like(U)
     _fwd_h3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        k, last_k, count, tail_x, G, Wt, U, h, S0, ht, vn, cu_seqlens, co, T, V=V,
+        k, last_k, count, tail_x, G, Wt, U, h, S0, ht, vn, cu_seqlens, co, T,
         STORE_FINAL_STATE=output_final_state, **row_kw)
     o = torch.empty_like(v)
     _fwd_o3[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, ci, co, T, V=V, BV=BV, BSO=max(BS, 16),
-        **row_kw)
+        q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, ci, co, T, BV=BV, BSO=max(BS, 16), **row_kw)
     return o, ht, (E, Ue, G, c, A, Wt, vn, h)
 
 
@@ -326,12 +330,9 @@ def _bwd_dv_local3(q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ch
                    BV: tl.constexpr, BS: tl.constexpr, BSO: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr,
                    SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dV' from the outputs of the same chunk: dV'_r = scale sum_{t >= t(r)} exp(G_t - G_t(r)) (x_r . q_t) do_t."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    t0 = i_t * BS
-    vbase = (boh + i_t) * 64
+    i_v = tl.program_id(0)
+    i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(1), tl.program_id(2), chunk_indices,
+                                                           cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     o_r = tl.arange(0, 64)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -403,12 +404,8 @@ def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw,
     """Per chunk, as falcon1's _bwd_dqx: dq per step; per virtual row the output/state part of dx and
     dW = -dV' h^T; the decay gradient of those paths per step (q.dq - sum of the step's rows' x.dx, plus
     <S_next, dS_next> on the last step)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    t0 = i_t * BS
-    vbase = (boh + i_t) * 64
+    i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
+                                                           cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     last = min(t0 + BS, T) - 1
     o_r = tl.arange(0, 64)
     o_k = tl.arange(0, BK)
@@ -472,12 +469,8 @@ def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, 
     and dYr; per step the sums of dG, of the direct gradient of g and of dc, then the gates' chain rule
     (deta = dc / B_t; dbeta, dlam) and the energy's: E_t = lambda_max / B_t with top eigenvector u (from the
     forward) gives dx_r += (2 dE_t / B_t) u_r w_t, w_t = sum over the step's rows u_r x_r."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BS, IS_VARLEN)
-    t0 = i_t * BS
-    vbase = (boh + i_t) * 64
+    i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
+                                                           cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     o_r = tl.arange(0, 64)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -603,17 +596,12 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
                       lam_coupled, shift, cu_seqlens, window):
     """falcon3's chunk backward: (dq, dk, dv, dbeta, dlam, dS0, dlast_k, dtail_x, dtail_v)."""
     E, Ue, G, c, A, Wt, vn, h = saved
-    WP = triton.next_power_of_2(window)
-    BS = VR // WP
-    m = _meta(q, v, BS, cu_seqlens)
-    B, T, H, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
+    m, WP, BS, row_kw = _win_meta(q, v, window, S0, cu_seqlens, shift)
+    B, T, H, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     use_init = S0 is not None
-    varlen = cu_seqlens is not None
-    row_kw = dict(H=H, HV=HV, K=K, V=V, BK=BK, BS=BS, WP=WP, WIN=window, SHIFT=int(shift),
-                  USE_INITIAL_STATE=use_init, IS_VARLEN=varlen)
     BSO = max(BS, 16)
     do = do.contiguous()
     NV = m['NTH'] * VR
