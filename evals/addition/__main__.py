@@ -30,8 +30,8 @@ PRESETS = {
 }
 DEFAULT_MODELS = ('falcon1', 'falcon2', 'falcon3', 'falcon1a', 'falcon2a', 'falcon3a', 'falcon3a-noshift',
                   'gdn', 'deltanet', 'mamba2', 'transformer')
-# the paper preset leaves out falcon2 and falcon3 (falcon3 has no chunk backward yet, falcon2's is the slowest);
-# --models adds them back
+# the paper preset leaves out falcon2 and falcon3 (falcon3's chunk backward has not passed its GPU tests yet, falcon2's
+# is the slowest); --models adds them back
 PRESET_MODELS = {'paper': tuple(m for m in DEFAULT_MODELS if m not in ('falcon2', 'falcon3'))}
 
 
