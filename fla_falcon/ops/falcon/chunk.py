@@ -1928,7 +1928,8 @@ def chunk_falcon(
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
     Supports ``falcon1``, ``falcon1a``, ``falcon2`` (its solve and state kernels in ``chunk_col.py``),
-    ``falcon2a``, and ``falcon3`` (kernels in ``chunk_win.py``) and ``falcon3a`` with ``window <= 8``.
+    ``falcon2a``, ``falcon3`` (kernels in ``chunk_win.py``; head dims K <= 128, K <= 64 with fp32 inputs) and
+    ``falcon3a``, the windowed rules with ``window <= 8``.
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
