@@ -17,6 +17,12 @@ lower by step (its WP x WP diagonal blocks are zero). With ``G`` the in-chunk cu
 Every exponent is ``G_a - G_b`` with b <= a (<= 0). The window energy ``lambda_max(X_t X_t^T) / B_t`` comes from
 ``fused_recurrent``'s token-parallel kernel, the gates from falcon3a's ``_prep_fwd`` given those energies.
 Virtual-row tensors (A, W, U, V') are stored chunk-major, ``[chunks * 64, HV, .]``.
+
+The backward is falcon1's on these rows (``_bwd_dv_local3``, ``_bwd_dhu3``, ``_bwd_dqx3``, ``_bwd_gates3``), then
+``_bwd_pairs3`` sums each pair's gradient over the up to W rows that hold it. lambda_max's gradient w.r.t. the window
+Gram is ``u u^T`` (u: its unit top eigenvector, stored by the forward's energy kernel), so window row b gets
+``2 u_b X_t^T u`` times ``dE_t / B_t``; at a tie of the top eigenvalues (where lambda_max is not differentiable) this
+is the gradient along the eigenvector the iteration found.
 """
 
 from __future__ import annotations
