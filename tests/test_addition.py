@@ -493,10 +493,14 @@ def test_one_training_step_tiny_falcon(restore_patches):
     spec = dict(model='falcon1a-noshift', seed=0, device=DEVICE, kernels='auto', size=size, train_min=1, train_max=2,
                 test_min=3, test_max=3, steps=2, batch_size=4, lr=1e-3, warmup=1, weight_decay=0.0,
                 eval_samples=3, eval_batch_size=3)
-    rec = run(spec, progress=False)
+    trained = []
+    rec = run(spec, progress=False, on_trained=trained.append)
     assert rec['status'] == 'ok', rec.get('reason')
     assert set(rec['accuracy']) == {'1', '2', '3'} and rec['config']['shift'] is False
     assert rec['bf16'] is False and rec['spec']['bf16'] is None
+    # the record handed over before the evaluation: training's results, no accuracy yet
+    assert len(trained) == 1 and trained[0]['status'] == 'trained' and 'accuracy' not in trained[0]
+    assert trained[0]['final_loss'] == rec['final_loss'] and trained[0]['loss_curve'] == rec['loss_curve']
 
 
 @pytest.mark.parametrize('model', ['falcon1a', 'transformer'])
@@ -690,6 +694,9 @@ def test_resume_keeps_only_runs_with_the_same_settings(tmp_path, capsys, restore
     path = out / 'runs' / 'transformer-s0.json'
     first = json.loads(path.read_text())
     assert first['spec']['steps'] == 2 and first['spec']['train_max'] == 2
+    # the record written when training ended, before the evaluation (what a lease cut short keeps)
+    trained = json.loads((out / 'runs' / 'transformer-s0.trained.json').read_text())
+    assert trained['status'] == 'trained' and trained['final_loss'] == first['final_loss']
     assert main(argv + ['--steps', '2']) == 0              # same settings: kept, not run again
     assert json.loads(path.read_text()) == first
     assert '1 already done' in capsys.readouterr().out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -259,13 +260,20 @@ def _quiet() -> None:
     logging.getLogger('fla').setLevel(logging.ERROR)
 
 
+def _write_trained(result_path: Path, rec: dict) -> None:
+    """The record of a finished training, beside where the run's result will go (<run>.trained.json): a lease that
+    ends during the evaluation still leaves the loss curve. Neither the report nor --resume reads it."""
+    result_path.with_name(result_path.stem + '.trained.json').write_text(json.dumps(rec, default=str))
+
+
 def worker(spec_path: str, result_path: str, progress: bool) -> int:
     _quiet()
     from evals.addition.train import run
     spec = json.loads(Path(spec_path).read_text())
     if str(spec['device']).startswith('cuda'):
         spec['device'] = 'cuda'   # CUDA_VISIBLE_DEVICES already picked the GPU
-    rec = run(spec, position=int(os.environ.get('EVALS_ADDITION_POSITION', 0)), progress=progress)
+    rec = run(spec, position=int(os.environ.get('EVALS_ADDITION_POSITION', 0)), progress=progress,
+              on_trained=functools.partial(_write_trained, Path(result_path)))
     rec['environment'] = _environment(spec['device'])
     Path(result_path).write_text(json.dumps(rec, default=str))
     return 0
@@ -335,7 +343,8 @@ def main(argv=None) -> int:
                     print(f"  {_run_name(spec)}: not started ({_expect_str(need)}, {left:.0f} s left of "
                           f"--time-budget)", flush=True)
                     continue
-            rec = run(spec, progress=progress)
+            rec = run(spec, progress=progress, on_trained=functools.partial(
+                _write_trained, run_dir / f"{_run_name(spec)}.json"))
             rec['environment'] = meta['environment'] or _environment(spec['device'])
             if rank == 0:
                 (run_dir / f"{_run_name(spec)}.json").write_text(json.dumps(rec, default=str))

@@ -277,7 +277,7 @@ def chunk_bwd_dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=N
     if g is None or g_gamma is not None:
         raise NotImplementedError("chunk_bwd_dqkwg_torch covers the per-token gated case (g) only")
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[-1]
+    HV = v.shape[2]
     BT, dev, f32 = chunk_size, k.device, torch.float32
     # every chunk's first token and end (flat token index), in the order of h / dh (fla's chunk order)
     if cu_seqlens is None:

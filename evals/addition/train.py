@@ -195,10 +195,12 @@ def _set_lr(opt, lr: float) -> None:
             g['lr'] = lr
 
 
-def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
+def run(spec: dict, position: int = 0, progress: bool = True, on_trained=None) -> dict:
     """Trains and evaluates one (model, seed). `spec`: model, seed, device, kernels, size (dict), train_min,
     train_max, test_min, test_max, steps, batch_size, lr, warmup, weight_decay, eval_samples,
     eval_batch_size, threads. Returns a JSON-able record (status 'ok', 'unavailable' or 'failed').
+    `on_trained(record)`, if given, gets the record of the finished training (status 'trained': loss curve, final
+    loss, times) before the evaluation starts, on rank 0: what a run cut short during its evaluation keeps.
     Under an initialized process group (torchrun) the run is data parallel: every rank draws
     batch_size / world examples a step, DDP averages the gradients, rank 0 evaluates."""
     device = spec['device']
@@ -317,6 +319,9 @@ def run(spec: dict, position: int = 0, progress: bool = True) -> dict:
             end = time.perf_counter()   # the last step's loss was read: the device is done
             train_time = end - start
             record['ms_per_step'] = 1e3 * (end - mid[1]) / max(1, steps - mid[0])
+            if on_trained is not None and rank == 0:
+                on_trained(dict(record, status='trained', train_time_s=train_time,
+                                final_loss=float(losses[-max(1, steps // 20):].mean()), loss_curve=loss_curve(losses)))
             cuda = str(device).startswith('cuda')
             if cuda:   # what training held at its peak (several runs share a GPU), then the eval starts clean
                 record['train_peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
