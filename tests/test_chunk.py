@@ -124,6 +124,8 @@ def test_clamp_active(rule, chunk_size, device):
     # lam >> ||x||^2 and beta near 2: eta*lam hits 1 - eps_gamma for many tokens, so the log-decay
     # inside a chunk falls far below -88; with chunk size 64 the last chunk is partial (T = 40) and its
     # padded rows (G = 0) must never meet a real row in one exponent (falcon2a's NaN gradients, fixed)
+    if rule == 'falcon3' and chunk_size != 64:
+        pytest.skip("falcon3's chunks are 64 virtual rows whatever chunk_size: the same run as chunk_size=64")
     inputs = make_inputs(rule, 1, 40, 1, 1, 16, 16, 'on', True, device, lam_scale=1e4, beta_range=(1.5, 1.99999),
                          window=win(rule))
     check(run_both(rule, *inputs, torch.float32, chunk_size=chunk_size, window=win(rule)), torch.float32)
