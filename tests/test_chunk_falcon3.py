@@ -14,6 +14,7 @@ from test_chunk import SAME_OP_RATIO
 from fla_falcon import FalconState
 from fla_falcon.ops.falcon.chunk import chunk_falcon
 from fla_falcon.ops.falcon.fused_recurrent import fused_recurrent_falcon
+from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
 
 
 def check(window, T, dtype=torch.float32, B=2, H=1, G=2, K=16, V=16, lam_mode='on', init=True, shift=True,
@@ -103,3 +104,17 @@ def test_gpu_long(window, dtype):
     # heads of 128 in bf16; fp32 at K = 64 (falcon3 refuses fp32 at K > 64: see test_chunk's bad-args test)
     K = 128 if dtype == torch.bfloat16 else 64
     check(window, 1000, dtype=dtype, B=2, H=2, G=1, K=K, V=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('window', [2, 8])
+def test_gpu_forward_fp32_heads128(window):
+    # without gradients falcon3 runs fp32 at K = 128 (training refuses K > 64 in fp32): outputs and final state
+    q, k, v, beta, lam, state = base.make_inputs('falcon3', 2, 1000, 2, 1, 128, 128, 'on', True, DEVICE, window=window)
+    kw = dict(rule='falcon3', window=window, output_final_state=True)
+    with torch.no_grad():
+        o, fs = chunk_falcon(q, k, v, beta, lam, initial_state=state, **kw)
+        st64 = FalconState(*(t.double() for t in state[:4]), state.count)
+        o_ref, fs_ref = naive_recurrent_falcon(*(t.double() for t in (q, k, v, beta, lam)), initial_state=st64, **kw)
+    for name, ref, tri in (('o', o_ref, o), ('S', fs_ref.S, fs.S), ('tail_x', fs_ref.tail_x, fs.tail_x)):
+        assert_close(name, ref.double(), tri.double(), base.RATIO[torch.float32])

@@ -1928,8 +1928,8 @@ def chunk_falcon(
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
 
     Supports ``falcon1``, ``falcon1a``, ``falcon2`` (its solve and state kernels in ``chunk_col.py``),
-    ``falcon2a``, ``falcon3`` (kernels in ``chunk_win.py``; head dims K <= 128, K <= 64 with fp32 inputs) and
-    ``falcon3a``, the windowed rules with ``window <= 8``.
+    ``falcon2a``, ``falcon3`` (kernels in ``chunk_win.py``; head dims in training K <= 128, K <= 64 with fp32
+    inputs; without gradients K <= 256, K <= 128 with fp32) and ``falcon3a``, the windowed rules with ``window <= 8``.
     Gates, decays and states are fp32 and matmul inputs are in the inputs' dtype (fp64 inputs are
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
@@ -1953,14 +1953,19 @@ def chunk_falcon(
     HV, V = v.shape[2:]
     if K > 256:
         raise ValueError(f"chunk_falcon supports head dims K <= 256, got K={K}")
-    k_max = 64 if q.dtype in (torch.float32, torch.float64) else 128
-    if rule == 'falcon3' and window > 1 and K > k_max:
+    if rule == 'falcon3' and window > 1:
         # its kernels work on 64 virtual rows per chunk (chunk_size does not apply). With a carried state, fp32 at
-        # K = 128 puts its backward's WY kernel (_bwd_gates3) at 228 KB of shared memory, and bf16 at K = 256 its
-        # state-gradient kernel (_bwd_dhu3) at 236-262 KB, over Hopper's 227 KB with every config
-        # (scripts/aot_check.py, Triton 3.6 sm_90)
-        raise NotImplementedError(f"chunk_falcon's falcon3 supports head dims K <= 128 (K <= 64 with fp32 inputs), "
-                                  f"got K={K} with {q.dtype}: use fused_recurrent_falcon")
+        # K = 128 puts its backward's WY kernel (_bwd_gates3) at 228 KB of shared memory, bf16 at K = 256 its
+        # state-gradient kernel (_bwd_dhu3) at 236-262 KB and fp32 at K = 256 its forward's state kernel (_fwd_h3)
+        # at 312-400 KB, over Hopper's 227 KB with every config (scripts/aot_check.py, Triton 3.6 sm_90)
+        fp32 = q.dtype in (torch.float32, torch.float64)
+        leaves = [q, k, v, beta, lam] + (list(initial_state[:4]) if initial_state is not None else [])
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+        k_max = (64 if fp32 else 128) if grad else (128 if fp32 else 256)
+        if K > k_max:
+            raise NotImplementedError(
+                f"chunk_falcon's falcon3 supports head dims K <= {k_max} with {q.dtype} inputs "
+                f"{'in training' if grad else 'without gradients'}, got K={K}: use fused_recurrent_falcon")
     if q.dtype in (torch.float32, torch.float64) and K > 64:
         # with fp32 matmul inputs and K > 64 the backward kernels' [chunk, K] tiles need more shared memory
         # at 64-row chunks than Hopper's 227 KB, for every config (OutOfResources at launch; see
