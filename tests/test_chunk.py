@@ -298,13 +298,15 @@ def test_falcon3a_varlen(shift, window, device):
 
 
 @pytest.mark.parametrize('shift', [True, False])
-def test_falcon3a_segments(shift, device):
+@pytest.mark.parametrize('rule, cuts', [('falcon3a', (0, 2, 5, 21, 40)),
+                                        ('falcon3', (0, 2, 5, 17, 30))])   # falcon3's chunks: 8 steps at W = 8
+def test_window8_segments(rule, cuts, shift, device):
     """W = 8 over segments shorter than the window, carried through tail_x/tail_v/count, vs one pass."""
-    q, k, v, beta, lam, _ = make_inputs('falcon3a', 1, 40, 1, 2, 16, 16, 'on', False, device)
-    kw = dict(rule='falcon3a', window=8, shift=shift, output_final_state=True, chunk_size=16)
+    q, k, v, beta, lam, _ = make_inputs(rule, 1, cuts[-1], 1, 2, 16, 16, 'on', False, device)
+    kw = dict(rule=rule, window=8, shift=shift, output_final_state=True, chunk_size=16)
     o, fs = chunk_falcon(q, k, v, beta, lam, **kw)
     outs, st = [], None
-    for a, b in ((0, 2), (2, 5), (5, 21), (21, 40)):
+    for a, b in zip(cuts[:-1], cuts[1:]):
         o_i, st = chunk_falcon(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], lam[:, a:b], initial_state=st, **kw)
         outs.append(o_i)
     assert_close('o', o, torch.cat(outs, 1), SAME_OP_RATIO[device])
