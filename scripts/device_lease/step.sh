@@ -14,12 +14,16 @@ if [ ! -f $L/started ]; then
     rm -rf /tmp/br && cp -r "$PWD" /tmp/br
     setsid bash /tmp/br/scripts/device_lease/chain.sh > $L/chain.log 2>&1 < /dev/null &
 fi
-# a later call may carry extra.sh (work committed after the lease began): run once, from this call's tree
-if [ -f scripts/device_lease/extra.sh ] && [ ! -f $L/extra_started ]; then
-    touch $L/extra_started
-    rm -rf /tmp/bx && cp -r "$PWD" /tmp/bx
-    (cd /tmp/bx && setsid bash scripts/device_lease/extra.sh > $L/extra.log 2>&1 < /dev/null &)
-fi
+# a later call may carry extra*.sh (work committed after the lease began): each runs once, from the tree of the
+# first call that carries it
+for x in scripts/device_lease/extra*.sh; do
+    [ -f "$x" ] || continue
+    n=$(basename "$x" .sh)
+    [ -f $L/${n}_started ] && continue
+    touch $L/${n}_started
+    rm -rf /tmp/b_$n && cp -r "$PWD" /tmp/b_$n
+    (cd /tmp/b_$n && setsid bash "$x" > $L/$n.log 2>&1 < /dev/null &)
+done
 end=$((SECONDS + S))
 while [ $SECONDS -lt $end ] && ! grep -q " done$" <(tail -n 1 $L/stage 2>/dev/null); do
     sleep 60
@@ -34,7 +38,7 @@ for f in $L/probe/*/log; do [ -f "$f" ] && { echo "=== $f: $(cat ${f%log}args)";
 echo "=== prebench"; grep -E "ms |^## |^\| (_|chunk|fal)" $L/prebench.log 2>/dev/null | head -n 80
 echo "=== accuracy"; grep "^|" $L/accuracy.log $L/accuracy/*.md 2>/dev/null | tail -n 9
 echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
-[ -f $L/extra.log ] && { echo "=== extra"; tail -n 15 $L/extra.log; }
+for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; done
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
     chain.log stage tests* extra* profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench 2>/dev/null
 if [ "$FINAL" = final ]; then

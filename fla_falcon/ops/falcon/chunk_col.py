@@ -42,14 +42,21 @@ Backward, per chunk and column, with ``du`` the direct gradient of u (the output
 then the gates' chain rule as for falcon2a (reverse cumsum, log1p(-alpha), the clamp, eta, E, lam,
 lam_coupled) and the key gradient shifted back onto k / the carried last key.
 
-Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the chunks' key Gram,
-once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the
-solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col`` (chunk.py),
-``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates`` and
-``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam). The
-substitutions run BT row steps on a [BT, BV] register tile; each step reads one Gram row and one G row from memory
-and rescales the decayed history tile by ``exp(G_i - G_{i-1}) <= 1`` (a product of per-step factors, each <= 1,
-instead of BT x BV exps per step).
+Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the key Gram of each
+16-row block, once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start
+states, the solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col``
+(chunk.py), ``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates``
+and ``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam).
+
+The sequential kernels solve a chunk in blocks of 16 rows. A block's rows see the earlier blocks through
+the state at the end of the previous block, ``S_ref``: ``p_t = exp(Gx_t - G_ref) x_t . S_ref + (the
+block's own rows)``, a tensor-core product, and the state advances block by block. Only the block's own
+rows need the row-by-row substitution, on [16, BV] register tiles with the block's Gram and G loaded once.
+The decayed history tile is rescaled by ``exp(G_i - G_{i-1}) <= 1`` per step (a product of per-step
+factors, each <= 1, instead of 16 x BV exps per step). The backward runs the blocks in reverse with the
+gradient of the state at each block's end. (The first version substituted all 64 rows of a chunk on
+[64, BV] tiles, reading a Gram row and a G row from memory at each step: 4.1 and 3.8 ms of falcon2's
+11.5 ms at (4, 4096, 16, 128, 128) on an H200.)
 """
 
 from __future__ import annotations
@@ -74,39 +81,69 @@ from fla_falcon.ops.falcon.chunk import (
 )
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'K', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'K', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
-          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
           SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The shared key Gram X X^T of each chunk ([rows, BT], fp32), once per key head: the sequential
-    kernels read one row per substitution step from it instead of extracting it from a register tile."""
+    """The key Gram X X^T of each BS-row block of a chunk ([rows, BS], fp32), once per key head: the
+    substitutions only need the diagonal blocks (earlier blocks reach a row through the state)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
-    o_t = i_t * BT + o_s
+    o_b = tl.arange(0, BS)
+    for i_s in tl.static_range(BT // BS):
+        o_t = i_t * BT + i_s * BS + o_b
+        m_t = o_t < T
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_M = tl.dot(b_x, tl.trans(b_x))
+        tl.store(M + ((bos + o_t) * H + i_h)[:, None] * BS + o_b[None, :], b_M, mask=m_t[:, None])
+
+
+@triton.jit
+def _block_rows(k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, c0, T, o_b, o_v, m_v,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BS: tl.constexpr,
+                BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """One BS-row block of a chunk starting at row r0 (the chunk at c0): its keys x, the tile offsets and mask,
+    its Gram block, G, Gx (G of the row before, 0 before the chunk), eta, the factors exp(G_t - G_{t-1}) <= 1
+    (1 on rows past the end), G of the block's last row and of the row before the block (0 for the first)."""
+    o_t = r0 + o_b
     m_t = o_t < T
     b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_M = tl.dot(b_x, tl.trans(b_x))
-    tl.store(M + ((bos + o_t) * H + i_h)[:, None] * BT + o_s[None, :], b_M, mask=m_t[:, None])
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_M = tl.load(M + ((bos + o_t) * H + i_h)[:, None] * BS + o_b[None, :], mask=m_t[:, None], other=0)
+    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+    b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_t > c0)[:, None], other=0)
+    b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+    # min(., 0): rows past the end read G = 0 and must not grow the decayed history
+    b_F = tl.exp(tl.minimum(b_G - b_Gx, 0.))
+    last = min(r0 + BS, T) - 1
+    b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+    b_Gr = tl.load(G + ((bos + r0 - 1) * HV + i_hv) * V + o_v, mask=m_v & ((r0 + o_v * 0) > c0),
+                   other=0)
+    return b_x, m_tv, p_tv, b_M, b_G, b_Gx, b_eta, b_F, b_Gl, b_Gr
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
                      cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                      IS_VARLEN: tl.constexpr):
     """Sequential over chunks: stores the chunk-start states h, solves (I + L_c) u_c = rhs_c for a block
-    of value columns by forward substitution, stores the residual r (u = eta r), advances the state."""
+    of value columns, stores the residual r (u = eta r), advances the state.
+
+    The solve runs block by block (BS rows): the history of the earlier blocks reaches a row through the
+    state at the end of the previous block, S_ref (a [BS, K] x [K, BV] product), so the row-by-row
+    forward substitution only covers the block's own rows, on [BS, BV] register tiles."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
+    o_b = tl.arange(0, BS)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -117,57 +154,54 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
         b_h += tl.load(h0 + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
     for i_t in range(NT):
         tl.store(h + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + o_s
-        m_t = o_t < T
-        last = min(i_t * BT + BT, T) - 1
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        # Gx_t = G_{t-1} inside the chunk (0 on its first row): the decay between S0 / u_j and the read at t
-        b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
-        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_p = tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(b_Gx)               # prediction from S0
-        # forward substitution, every column at once: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i, zero
-        # below), kept by multiplying with exp(G_i - G_{i-1}) <= 1 per step rather than a [BT, BV] exp per step;
-        # row i adds the in-chunk history sum_j (x_i.x_j) b_w[j] to its prediction, then u_i = eta_i (v_i - p_i)
-        b_w = tl.zeros([BT, BV], dtype=tl.float32)
-        b_gp = tl.zeros([BV], dtype=tl.float32)
-        for i in range(BT):
-            m_i = (o_s == i)[:, None]
-            # row i of the Gram (M[i, j] over j) and G_i, read from memory (vector masks: see _load_x)
-            b_mi = tl.load(M + ((bos + i_t * BT + i) * H + i_h) * BT + o_s, mask=(i_t * BT + i + o_s * 0) < T,
-                           other=0)
-            b_gi = tl.load(G + ((bos + i_t * BT + i) * HV + i_hv) * V + o_v,
-                           mask=m_v & ((i_t * BT + i + o_v * 0) < T), other=0)
-            b_p = tl.where(m_i, b_p + tl.sum(b_mi[:, None] * b_w, 0)[None, :], b_p)
-            # min(., 0): rows past the end read G = 0 and must not grow b_w
-            b_w = tl.where(m_i, b_eta * (b_v - b_p), b_w * tl.exp(tl.minimum(b_gi - b_gp, 0.))[None, :])
-            b_gp = b_gi
-        tl.store(r + p_tv, b_v - b_p, mask=m_tv)
-        # now b_w[j] = exp(G_last - G_j) u_j: the chunk's write into the state
-        b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
+        for i_s in tl.static_range(BT // BS):
+            r0 = i_t * BT + i_s * BS
+            if r0 < T:
+                b_x, m_tv, p_tv, b_M, b_G, b_Gx, b_eta, b_F, b_Gl, b_Gr = _block_rows(
+                    k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                    H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
+                b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+                # prediction from the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1 (min: rows
+                # past the end read G = 0)
+                b_p = tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
+                # forward substitution, every column at once: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i,
+                # zero below), rescaled by exp(G_i - G_{i-1}) per step; row i adds the block's history
+                # sum_j (x_i.x_j) b_w[j] to its prediction, then u_i = eta_i (v_i - p_i). The Gram block is
+                # symmetric, so its column i (a reduction along the rows' axis) is row i's coefficients.
+                b_w = tl.zeros([BS, BV], dtype=tl.float32)
+                for i in range(BS):
+                    m_i = (o_b == i)[:, None]
+                    b_mi = tl.sum(tl.where((o_b == i)[None, :], b_M, 0.), 1)
+                    b_fi = tl.sum(tl.where(m_i, b_F, 0.), 0)
+                    b_p = tl.where(m_i, b_p + tl.sum(b_mi[:, None] * b_w, 0)[None, :], b_p)
+                    b_w = tl.where(m_i, b_eta * (b_v - b_p), b_w * b_fi[None, :])
+                tl.store(r + p_tv, b_v - b_p, mask=m_tv)
+                # now b_w[j] = exp(G_last - G_j) u_j: the block's write into the state
+                b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale,
                        cu_seqlens, chunk_offsets, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
                        USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
     plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
-    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs)."""
+    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs).
+
+    Block by block in reverse, as the forward: b_e is the solve's gradient of the state at the end of the
+    current block (the later blocks' rows reach its rows through it), so the backward substitution only
+    covers the block's own rows."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_s = tl.arange(0, BT)
+    o_b = tl.arange(0, BS)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -178,41 +212,38 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
         b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
     for i_t in range(NT - 1, -1, -1):
         tl.store(dh + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + o_s
-        m_t = o_t < T
-        last = min(i_t * BT + BT, T) - 1
-        b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                      mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        # the state path of du: u_j enters S_next through exp(G_C - G_j) x_j
-        b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_dh.to(b_x.dtype)) * tl.exp(b_Gl[None, :] - b_G)
-        # backward substitution: drhs_j = du_j - sum_{t>j} (x_t.x_j) exp(Gx_t - G_j) eta_t drhs_t. At step j,
-        # b_z[t] = exp(Gx_t - G_j) eta_t drhs_t (t > j, zero above), kept by multiplying with
-        # exp(G_j - G_{j-1}) <= 1 per step (G_{-1} = 0)
-        b_z = tl.zeros([BT, BV], dtype=tl.float32)
-        for jj in range(BT):
-            j = BT - 1 - jj
-            m_j = (o_s == j)[:, None]
-            # row j of the Gram (M[t, j] = M[j, t] over t), G_j and G_{j-1}, read from memory
-            b_mj = tl.load(M + ((bos + i_t * BT + j) * H + i_h) * BT + o_s, mask=(i_t * BT + j + o_s * 0) < T,
-                           other=0)
-            m_jv = m_v & ((i_t * BT + j + o_v * 0) < T)
-            b_gj = tl.load(G + ((bos + i_t * BT + j) * HV + i_hv) * V + o_v, mask=m_jv, other=0)
-            b_gp = tl.load(G + ((bos + i_t * BT + j - 1) * HV + i_hv) * V + o_v, mask=m_jv & ((j + o_v * 0) >= 1),
-                           other=0)
-            b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
-            b_z = tl.where(m_j, b_eta * b_dr, b_z * tl.exp(tl.minimum(b_gj - b_gp, 0.))[None, :])
-        tl.store(dr + p_tv, b_dr, mask=m_tv)
-        # now b_z = exp(Gx) eta drhs: the X S0 path of dS0
-        b_dod = (b_do * tl.exp(b_G) * scale).to(b_q.dtype)
-        b_ax = b_z.to(b_x.dtype)
-        b_dh = b_dh * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_q), b_dod) - tl.dot(tl.trans(b_x), b_ax)
+        b_e = b_dh
+        b_dq = tl.zeros([BK, BV], dtype=tl.float32)
+        for i_sr in tl.static_range(BT // BS):
+            i_s = BT // BS - 1 - i_sr
+            r0 = i_t * BT + i_s * BS
+            if r0 < T:
+                b_x, m_tv, p_tv, b_M, b_G, b_Gx, b_eta, b_F, b_Gl, b_Gr = _block_rows(
+                    k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                    H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
+                b_q = tl.load(q + ((bos + r0 + o_b) * H + i_h)[:, None] * K + o_k[None, :],
+                              mask=((r0 + o_b) < T)[:, None] & (o_k < K)[None, :], other=0)
+                b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+                # the outputs read S0 decayed by exp(G_t): their part of dS0
+                b_dq += tl.dot(tl.trans(b_q), (b_do * tl.exp(b_G) * scale).to(b_q.dtype))
+                # the state path of du: u_j enters the state at the block's end through exp(G_last - G_j) x_j
+                b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_e.to(b_x.dtype)) * tl.exp(
+                    b_Gl[None, :] - b_G)
+                # backward substitution: drhs_j = du_j - sum_{t>j} (x_t.x_j) exp(Gx_t - G_j) eta_t drhs_t. At step j,
+                # b_z[t] = exp(Gx_t - G_j) eta_t drhs_t (t > j in the block, zero above), rescaled by
+                # exp(G_j - G_{j-1}) per step (the block's first row: G_{j-1} = G_ref)
+                b_z = tl.zeros([BS, BV], dtype=tl.float32)
+                for jj in range(BS):
+                    j = BS - 1 - jj
+                    m_j = (o_b == j)[:, None]
+                    b_mj = tl.sum(tl.where((o_b == j)[None, :], b_M, 0.), 1)
+                    b_fj = tl.sum(tl.where(m_j, b_F, 0.), 0)
+                    b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
+                    b_z = tl.where(m_j, b_eta * b_dr, b_z * b_fj[None, :])
+                tl.store(dr + p_tv, b_dr, mask=m_tv)
+                # now b_z = exp(Gx - G_ref) eta drhs: the gradient of the state before the block
+                b_e = b_e * tl.exp(b_Gl - b_Gr)[None, :] - tl.dot(tl.trans(b_x), b_z.to(b_x.dtype))
+        b_dh = b_e + b_dq
     if USE_INITIAL_STATE:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
@@ -220,6 +251,11 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
 # ----------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------
+
+# rows of a substitution block: the sequential kernels solve row by row inside a block of SUB rows on
+# [SUB, BV] register tiles; the earlier blocks of the chunk reach a row through the state (tensor cores)
+SUB = 16
+
 
 def _common(m, shift, use_init, cu_seqlens):
     return dict(H=m['H'], HV=m['HV'], K=m['K'], V=m['V'], BT=m['BT'], BK=m['BK'], BV=m['BV'], SHIFT=int(shift),
@@ -239,16 +275,17 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     _prep_fwd[(NT, B * HV)](
         k, v, beta, lam, last_k, count, None, None, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
         PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
-    M = torch.empty(B, T, m['H'], m['BT'], **f32)
+    BS = min(SUB, m['BT'])
+    M = torch.empty(B, T, m['H'], BS, **f32)
     gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT', 'USE_INITIAL_STATE',
                                                                   'IS_VARLEN')}
-    _gram[(NT, B * m['H'])](k, last_k, count, M, cu_seqlens, ci, co, T, **gram_kw)
+    _gram[(NT, B * m['H'])](k, last_k, count, M, cu_seqlens, ci, co, T, BS=BS, **gram_kw)
     h = torch.empty(m['NTH'], HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
     r = torch.empty(B, T, HV, V, **f32)
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        k, v, last_k, count, M, G, eta, h, S0, ht, r, cu_seqlens, co, T, STORE_FINAL_STATE=output_final_state,
+        k, v, last_k, count, M, G, eta, h, S0, ht, r, cu_seqlens, co, T, BS=BS, STORE_FINAL_STATE=output_final_state,
         **common_h)
     # falcon2a's output kernel reads u = v * eta: fed the residual, it reads u = eta r (and writes the output's
     # fp32 copy for the decay gradient)
@@ -277,7 +314,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T,
+        q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
         USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
