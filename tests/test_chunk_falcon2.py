@@ -28,9 +28,10 @@ def run_both(*args, **kwargs):
 
 
 @pytest.mark.parametrize('chunk_size', [16, 64])
-@pytest.mark.parametrize('T', [1, 63, 65, 130])
+@pytest.mark.parametrize('T', [1, 48, 63, 65, 130])
 def test_lengths(T, chunk_size, device):
-    # grouped value heads (HV = 2H), one fresh and one continued sequence
+    # grouped value heads (HV = 2H), one fresh and one continued sequence; T = 48 ends on a substitution block's
+    # edge inside a chunk of 64 (the chunk's last block has no rows)
     inputs = make_inputs(2, T, 1, 2, 16, 16, 'on', True, device)
     check(run_both(*inputs, torch.float32, chunk_size=chunk_size), torch.float32)
 
