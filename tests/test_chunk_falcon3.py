@@ -9,7 +9,7 @@ import test_chunk as base
 import torch
 from conftest import DEVICE
 from fla.utils import assert_close
-from test_chunk import SAME_OP_RATIO
+from test_chunk import RATIO, SAME_OP_RATIO
 
 from fla_falcon import FalconState
 from fla_falcon.ops.falcon.chunk import chunk_falcon
@@ -70,8 +70,12 @@ def test_matches_fused_recurrent():
         (o.square().sum() + fs.S.square().sum() + fs.tail_x.sum() + fs.tail_v.sum()).backward()
         outs.append([o, fs.S, fs.tail_x, fs.tail_v] + [t.grad for t in xs])
     names = ['o', 'S', 'tail_x', 'tail_v', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0', 'dlast_k', 'dtail_x', 'dtail_v']
+    # on the GPU the chunk kernel's products are TF32 and the fused recurrent kernel has no tl.dot (fp32 FMAs):
+    # their difference is the chunk's own rounding, so the chunk's tolerance against the fp64 reference applies
+    # (dq differed by 2.3e-3 on the H200, over SAME_OP_RATIO's 2e-3)
+    tol = SAME_OP_RATIO[DEVICE] if DEVICE == 'cpu' else RATIO[torch.float32]
     for name, a, b in zip(names, *outs):
-        assert_close(name, a.double(), b.double(), SAME_OP_RATIO[DEVICE])
+        assert_close(name, a.double(), b.double(), tol)
 
 
 @pytest.mark.gpu
