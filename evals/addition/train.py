@@ -132,6 +132,15 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+# Every captured graph stays alive (with its memory pool) until the process ends. On the H200 (torch 2.11), after a
+# run's graph was released and the cache emptied, the next run's torch.manual_seed in the same process failed with
+# an illegal memory access (tests/test_addition.py, also with CUDA_LAUNCH_BLOCKING=1). The likely cause: state that
+# outlives the graph but was allocated in its pool during capture (PyTorch's per-capture RNG state, which
+# pytorch#176753 moved out of the pool; cuBLAS's workspace for the capture stream). One graph a run; a pool holds
+# a small model's activations.
+_LIVE_GRAPHS: list = []
+
+
 class GraphedStep:
     """A training step (forward, loss, backward, gradient clipping, AdamW) captured once as a CUDA graph
     and replayed: the paper preset's models are small, so an eager step is mostly kernel-launch time.
@@ -181,6 +190,8 @@ class GraphedStep:
         with torch.cuda.graph(graph):
             self.loss = self._step()
         self.graph = graph
+        _LIVE_GRAPHS.append(graph)
+
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
