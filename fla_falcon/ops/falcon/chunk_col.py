@@ -161,8 +161,8 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
                     k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
                 b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
-                # prediction from the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1 (min: rows
-                # past the end read G = 0)
+                # prediction from the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
+                # (min: rows past the end read G = 0)
                 b_p = tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
                 # forward substitution, every column at once: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i,
                 # zero below), rescaled by exp(G_i - G_{i-1}) per step; row i adds the block's history
