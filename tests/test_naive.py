@@ -413,12 +413,16 @@ def test_count_outside_the_window_is_read_clamped():
 
 # ------------------------------------------------------------------- the chunk form (naive_chunk_falcon)
 
+# the step-row form (one unknown per step) exists for falcon1 and falcon3, with windows up to 8
+STEP_ROWS = [('falcon1', 1, 'steps')] + [('falcon3', w, 'steps') for w in (2, 3, 4, 8)]
+
+
 @pytest.mark.parametrize('chunk_size', [1, 4, 16])
 @pytest.mark.parametrize('shift', [True, False])
-@pytest.mark.parametrize('rule, window', WINDOWED)
-def test_chunk_form_equals_recurrence(rule, window, shift, chunk_size):
-    # the exact C-step transition (a triangular solve over the chunk's window pairs) against the token
-    # loop: outputs, the whole continuation state and every gradient, with a carried state (count < W
+@pytest.mark.parametrize('rule, window, unknowns', [(r, w, 'pairs') for r, w in WINDOWED] + STEP_ROWS)
+def test_chunk_form_equals_recurrence(rule, window, unknowns, shift, chunk_size):
+    # the exact C-step transition (a triangular solve over the chunk's window pairs, or over its steps) against
+    # the token loop: outputs, the whole continuation state and every gradient, with a carried state (count < W
     # and = W) and the coupled ridge, for lengths that do not fill the last chunk
     T = 11
     q, k, v, beta, lam = make_inputs(rule, T=T, seed=3)
@@ -430,7 +434,7 @@ def test_chunk_form_equals_recurrence(rule, window, shift, chunk_size):
         st = FalconState(*xs[5:], state.count)
         kw = dict(rule=rule, window=window, shift=shift, initial_state=st, output_final_state=True, lam_coupled=True)
         if chunked:
-            o, fs = naive_chunk_falcon(*xs[:5], chunk_size=chunk_size, **kw)
+            o, fs = naive_chunk_falcon(*xs[:5], chunk_size=chunk_size, unknowns=unknowns, **kw)
         else:
             o, fs = naive_recurrent_falcon(*xs[:5], **kw)
         g = torch.Generator().manual_seed(5)
@@ -451,5 +455,12 @@ def test_chunk_form_varlen_and_bad_chunk_size():
     o2, f2 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, **kw)
     for a, b in zip((o1, *f1), (o2, *f2)):
         assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
+    o3, f3 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, unknowns='steps', **kw)
+    for a, b in zip((o1, *f1), (o3, *f3)):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match='chunk_size'):
         naive_chunk_falcon(*make_inputs('falcon1'), rule='falcon1', chunk_size=0)
+    with pytest.raises(ValueError, match='unknowns'):
+        naive_chunk_falcon(*make_inputs('falcon1'), rule='falcon1', unknowns='rows')
+    with pytest.raises(ValueError, match='falcon2'):
+        naive_chunk_falcon(*make_inputs('falcon2'), rule='falcon2', unknowns='steps')

@@ -230,6 +230,7 @@ def naive_chunk_falcon(
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_size: int = 16,
+    unknowns: str = 'pairs',
 ) -> tuple[torch.Tensor, FalconState | None]:
     r"""The chunk form of every Falcon rule in PyTorch.
 
@@ -255,10 +256,17 @@ def naive_chunk_falcon(
     gated linear attention. falcon2/2a have one coefficient and one decay per value column
     (``c``, ``G`` carry a column index): falcon2 solves one such system per column, with one
     right-hand side each, all sharing the key Gram matrix (the paper's merged single solve).
+
+    ``unknowns='steps'`` (falcon1 and falcon3) solves the same transition with one unknown per step
+    instead of one per window pair: see :func:`_step_row_writes`.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    seq_fn = functools.partial(_falcon_chunk_sequence, chunk_size=chunk_size)
+    if unknowns not in ('pairs', 'steps'):
+        raise ValueError(f"unknowns must be 'pairs' or 'steps', got {unknowns!r}")
+    if unknowns == 'steps' and rule not in ('falcon1', 'falcon3'):
+        raise ValueError(f"unknowns='steps' is the chunk form of falcon1 and falcon3, not of rule {rule!r}")
+    seq_fn = functools.partial(_falcon_chunk_sequence, chunk_size=chunk_size, step_rows=unknowns == 'steps')
     return _per_sequence(
         seq_fn, q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, output_final_state=output_final_state,
@@ -266,7 +274,7 @@ def naive_chunk_falcon(
 
 
 def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, scale, eps, eps_gamma,
-                           lam_coupled, shift, chunk_size):
+                           lam_coupled, shift, chunk_size, step_rows=False):
     """One sequence in chunks (see :func:`naive_chunk_falcon`); the arguments of :func:`_falcon_sequence`."""
     regression, per_column, _ = rule_info(rule)
     T, H, K = k.shape
@@ -324,7 +332,9 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
         G = torch.cumsum(g[:, sl], 1)                                                        # [HV, n, Vg]
         Gp = G - g[:, sl]                                                                    # G_{t-1}
         cv = c[:, sl][:, st]                                                                 # [HV, nW, Vg]
-        if regression:
+        if step_rows:
+            U = _step_row_writes(Xw[:, sl], Yw[:, sl], mf[sl], S, g[:, sl, 0], c[:, sl, 0]).reshape(HV, n * W, V)
+        elif regression:
             before = (st[:, None] > st[None, :])[..., None]                                  # s < t by step
             D = (Gp[:, st][:, :, None] - G[:, st][:, None, :]).masked_fill(~before, float('-inf')).exp()
             L = (cv[:, :, None] * D * (X @ X.transpose(-1, -2))[..., None]).movedim(-1, 1)  # [HV, Vg, nW, nW]
@@ -350,3 +360,53 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
     new_tail_v = torch.cat([tail_v.new_zeros(HV, W - 1 - keep, V), py[:, P - keep:]], 1)
     last = k[-1] if T else last_k
     return o, (S, last, new_tail_x, new_tail_v, min(count + T, W))
+
+
+def _step_row_writes(X, Y, mask, S0, g, c):
+    r"""The writes ``U_{t,a} = c_t (y_{t,a} - S_{t-1}^T x_{t,a})`` of one chunk of a windowed regression rule
+    (falcon3; falcon1 is window 1) with one unknown per step instead of one per window pair.
+
+    X ``[HV, n, W, K]``, Y ``[HV, n, W, V]``: the pairs of each step's window (slot 0 the newest, zero rows
+    where ``mask`` ``[n, W]`` has no pair); S0 ``[HV, K, V]`` the chunk-start state; g ``[HV, n]`` the
+    log-decays, c ``[HV, n]`` the coefficients. Returns U ``[HV, n, W, V]``.
+
+    Only the newest pair's prediction ``f_t = S_{t-1}^T x_{t,0}`` reads the state. A pair in slot a >= 1 at step t
+    was in slot a - 1 at step t - 1, and its prediction follows from that one:
+
+        P_t(a) = gamma_{t-1} P_{t-1}(a-1) + sum_a' (x_{t,a} . x_{t-1,a'}) U_{t-1,a'},
+
+    so every prediction, and every write, is ``P = alpha f + rho`` with coefficients ``alpha`` over the chunk's
+    n unknowns that do not depend on the value column (a W x W recursion over the steps), and ``rho`` from
+    the values and S0. The unknowns then solve one unit lower-triangular n x n system, shared by the columns:
+
+        f_t = exp(G_{t-1}) x_{t,0}^T S0 + sum_{s < t, a} exp(G_{t-1} - G_s) (x_{t,0} . x_{s,a}) U_{s,a}
+
+    (``unknowns='pairs'`` solves for the n W writes directly: ``C W`` rows instead of ``C``.)
+    """
+    HV, n, W, K = X.shape
+    V = Y.shape[-1]
+    G = torch.cumsum(g, 1)
+    Gp = G - g                                                                               # G_{t-1}
+    m = mask.to(X.dtype)[None, :, :, None]                                                   # [1, n, W, 1]
+    eye = torch.eye(n, dtype=X.dtype, device=X.device)
+    Ua, Ur = [], []                   # per step: U = Ua f + Ur, [HV, W, n] and [HV, W, V]
+    for t in range(n):
+        if t == 0:
+            # the window's older pairs read S0 itself; the newest is the unknown f_0
+            alpha = eye[0].expand(HV, W, n) * (torch.arange(W, device=X.device) == 0).to(X.dtype)[None, :, None]
+            rho = torch.cat([X.new_zeros(HV, 1, V), X[:, 0, 1:] @ S0], 1)
+        else:
+            Mw = X[:, t] @ X[:, t - 1].transpose(-1, -2)                                      # [HV, W, W]
+            gam = g[:, t - 1].exp()[:, None, None]
+            alpha = torch.cat([eye[t].expand(HV, 1, n), gam * alpha[:, :-1] + (Mw @ Ua[-1])[:, 1:]], 1)
+            rho = torch.cat([X.new_zeros(HV, 1, V), gam * rho[:, :-1] + (Mw @ Ur[-1])[:, 1:]], 1)
+        Ua.append(-c[:, t, None, None] * alpha * m[0, t])
+        Ur.append(c[:, t, None, None] * (Y[:, t] - rho) * m[0, t])
+    Ua, Ur = torch.stack(Ua, 1), torch.stack(Ur, 1)                                          # [HV, n, W, .]
+    before = torch.ones(n, n, dtype=torch.bool, device=X.device).tril(-1)                    # s < t
+    D = (Gp[:, :, None] - G[:, None, :]).masked_fill(~before, float('-inf')).exp()            # [HV, t, s]
+    Kts = D[..., None] * torch.einsum('htk,hsak->htsa', X[:, :, 0], X)                        # [HV, t, s, W]
+    A = eye - torch.einsum('htsa,hsai->hti', Kts, Ua)
+    rhs = Gp.exp()[..., None] * (X[:, :, 0] @ S0) + torch.einsum('htsa,hsav->htv', Kts, Ur)
+    f = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)               # [HV, n, V]
+    return torch.einsum('htai,hiv->htav', Ua, f) + Ur
