@@ -620,7 +620,7 @@ def test_graphed_step_padding_keeps_the_loss(restore_patches):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('model,bf16', [('falcon1a', False), ('gdn', False), ('mamba2', False), ('falcon1a', True),
-                                        ('transformer', True), ('gdn', True)])
+                                        ('transformer', True), ('gdn', True), ('falcon2', False), ('falcon3', False)])
 def test_cuda_graph_training_matches_eager(tmp_path, model, bf16):
     """The paper preset's CUDA-graph steps give the losses of eager steps (same seed, same batches); GatedDeltaNet
     and Mamba-2 on their GPU route (fla's kernels, `chunk_bwd_dqkwg` in PyTorch where fla refuses it)."""
