@@ -192,7 +192,6 @@ class GraphedStep:
         self.graph = graph
         _LIVE_GRAPHS.append(graph)
 
-
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.loss

@@ -387,7 +387,7 @@ def _step_row_writes(X, Y, mask, S0, g, c):
     V = Y.shape[-1]
     G = torch.cumsum(g, 1)
     Gp = G - g                                                                               # G_{t-1}
-    m = mask.to(X.dtype)[None, :, :, None]                                                   # [1, n, W, 1]
+    m = mask.to(X.dtype)[:, :, None]                                                         # [n, W, 1]
     eye = torch.eye(n, dtype=X.dtype, device=X.device)
     Ua, Ur = [], []                   # per step: U = Ua f + Ur, [HV, W, n] and [HV, W, V]
     for t in range(n):
@@ -400,8 +400,8 @@ def _step_row_writes(X, Y, mask, S0, g, c):
             gam = g[:, t - 1].exp()[:, None, None]
             alpha = torch.cat([eye[t].expand(HV, 1, n), gam * alpha[:, :-1] + (Mw @ Ua[-1])[:, 1:]], 1)
             rho = torch.cat([X.new_zeros(HV, 1, V), gam * rho[:, :-1] + (Mw @ Ur[-1])[:, 1:]], 1)
-        Ua.append(-c[:, t, None, None] * alpha * m[0, t])
-        Ur.append(c[:, t, None, None] * (Y[:, t] - rho) * m[0, t])
+        Ua.append(-c[:, t, None, None] * alpha * m[t])
+        Ur.append(c[:, t, None, None] * (Y[:, t] - rho) * m[t])
     Ua, Ur = torch.stack(Ua, 1), torch.stack(Ur, 1)                                          # [HV, n, W, .]
     before = torch.ones(n, n, dtype=torch.bool, device=X.device).tril(-1)                    # s < t
     D = (Gp[:, :, None] - G[:, None, :]).masked_fill(~before, float('-inf')).exp()            # [HV, t, s]
