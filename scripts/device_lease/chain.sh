@@ -18,6 +18,8 @@
 #             but for WARM's few steps), e.g. a --profile of the chunk kernels; output in /tmp/L/prebench
 #   ACCURACY  run benchmarks/accuracy_chunk.py (bf16 forward error vs fp64) after PRE_BENCH with these
 #             arguments ("-" for its defaults); output in /tmp/L/accuracy
+#   PRE_CMD   a shell command run after PRE_BENCH/ACCURACY, before TESTS and MODELS (the GPU to itself), output in
+#             /tmp/L/precmd.log; e.g. tests and a timing of files carried untracked from a work-in-progress branch
 #   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
 set -x
 L=/tmp/L
@@ -47,6 +49,11 @@ if [ -n "${ACCURACY:-}" ]; then
     stage "accuracy"
     taskset -c 0-7 python3 benchmarks/accuracy_chunk.py ${ACCURACY#-} --out $L/accuracy > $L/accuracy.log 2>&1
     stage "accuracy done"
+fi
+if [ -n "${PRE_CMD:-}" ]; then
+    stage "pre-cmd"
+    eval "$PRE_CMD" > $L/precmd.log 2>&1
+    stage "pre-cmd done"
 fi
 (
   if [ -n "${TESTS:-}" ]; then
