@@ -132,15 +132,6 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-# Every captured graph stays alive (with its memory pool) until the process ends. On the H200 (torch 2.11), after a
-# run's graph was released and the cache emptied, the next run's torch.manual_seed in the same process failed with
-# an illegal memory access (tests/test_addition.py, also with CUDA_LAUNCH_BLOCKING=1). The likely cause: state that
-# outlives the graph but was allocated in its pool during capture (PyTorch's per-capture RNG state, which
-# pytorch#176753 moved out of the pool; cuBLAS's workspace for the capture stream). One graph a run; a pool holds
-# a small model's activations.
-_LIVE_GRAPHS: list = []
-
-
 class GraphedStep:
     """A training step (forward, loss, backward, gradient clipping, AdamW) captured once as a CUDA graph
     and replayed: the paper preset's models are small, so an eager step is mostly kernel-launch time.
@@ -149,7 +140,11 @@ class GraphedStep:
     training example; the models are causal and the loss ignores padding, so the loss is unchanged) and
     copied into static buffers. The optimizer must be built with ``capturable=True`` and tensor learning
     rates (set with `set_lr`). The caller runs a few eager steps on a side stream first (autotuning,
-    lazy initialization), as CUDA graph capture requires."""
+    lazy initialization), as CUDA graph capture requires.
+
+    One run per process (the harness's workers): on the H200 (torch 2.11) the first torch.manual_seed after a run
+    that captured a graph, in the same process, faulted with an illegal memory access, also with the graph kept
+    alive."""
 
     def __init__(self, model, opt, batch_size: int, seq_len: int, device, clip: float = 1.0, bf16: bool = False):
         from evals.addition.data import IGNORE
@@ -190,7 +185,6 @@ class GraphedStep:
         with torch.cuda.graph(graph):
             self.loss = self._step()
         self.graph = graph
-        _LIVE_GRAPHS.append(graph)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
