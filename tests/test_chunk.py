@@ -282,8 +282,7 @@ def test_falcon3a_windows(window, T, chunk_size, device):
 
 
 def test_falcon3a_wide_values(device):
-    # V >= 128 with 2-byte inputs: the output kernel's 128-wide value blocks (V = 200: a full block and a
-    # masked one)
+    # V = 200: value blocks of 64 (and 32 in the backward), the last one masked, in the band kernels' value loops
     inputs = make_inputs('falcon3a', 1, 40, 1, 1, 16, 200, 'on', True, device, window=4)
     check(run_both('falcon3a', *inputs, torch.bfloat16, chunk_size=16, window=4), torch.bfloat16)
 

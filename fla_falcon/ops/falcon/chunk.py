@@ -35,22 +35,23 @@ inside the chunk. The chain rule then runs through ``log1p(-alpha)``, the clamp,
 
 falcon3a (constexpr ``WIN`` = W; 0 for the other rules). The window of step t holds the real pairs at
 positions t-W+1..t of the sequence (negative positions: the carried ``tail_x``/``tail_v``, whose last
-``n_tail`` rows are real), ``B_t`` counts them and ``E_t`` is their mean ``||x||^2``. ``_prep_fwd``
-loads the W shifted rows per step and stores G and ``c = eta / B``. Inside a chunk starting at t0 with
-state S0, ``o_t = scale q_t^T (exp(G_t) S0 + sum_p x_p v_p^T M[t, p])`` and the next chunk-start state
-is ``exp(G_C) S0 + sum_p x_p v_p^T M[C, p]`` with
-``M[t, p] = sum_{r = max(p, t0)}^{min(t, p + W - 1)} c_r exp(G_t - G_r)`` (r: the steps of this chunk
-whose window holds pair p), built elementwise (at most W terms, exponents <= 0). The pairs p run over
-the chunk and over a 16-row block before it (the last W - 1 rows count; at a sequence start they come
-from the tail), each with its own tl.dot. ``_bwd_dhu`` is falcon1a's; ``_bwd_win_dqv`` and ``_bwd_win_dk``
-do the rest per chunk: dq, dx, dv from the products; ``dM = scale (q.x)(do.v)`` (+ ``x^T dS_next v`` on the
-last row);
-``dG_t += sum_p dM M``, ``dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p]``,
-``dG_r -= c_r dc_r``; the gates' chain rule with ``deta = dc / B``; the energy gradient
-``2 x_p sum_r dE_r / B_r`` over the steps whose window holds p. A pair gets gradient from the steps
-p..p+W-1, so the last W - 1 pairs of a chunk get theirs from two programs: each writes an fp32 partial sum,
-``_bwd_win_shared`` adds the two into dk and dv (or the tail's gradient at a sequence start). The final
-state's tail is gathered on the host from k, v and the old tail (an indexing: autograd handles it).
+``n_tail`` rows are real), ``B_t`` counts them and ``E_t`` is their mean ``||x||^2``; ``c_t = eta_t / B_t``.
+Swapping the sums, pair p enters ``S_t`` (t >= p) with the weight
+``M[t, p] = sum_{r = max(p, 0)}^{min(t, p + W - 1)} c_r exp(G_t - G_r)``. Once its window has ended
+(t >= p + W - 1) that is ``exp(G_t - G_tau) mt_tau`` with ``tau = p + W - 1`` and
+``mt_tau = sum_{d < W} c_{tau-d} exp(g_{tau-d+1} + ... + g_tau)``: falcon1a's GLA on the delayed rows
+``x'_tau = x_{tau-W+1}``, ``u'_tau = mt_tau v_{tau-W+1}``, whose state ``S'`` the chunk kernels carry (same gates, same
+kernels, the loads shifted by W - 1 rows). The pairs whose window has not ended add a band of W - 1 terms:
+``S_t = S'_t + sum_{d < W-1} Mb[t, d] x_{t-d} v_{t-d}^T`` with ``Mb[t, d] = sum_{j <= d} c_{t-j} exp(g_{t-j+1} + ... +
+g_t)`` (``_win_weights`` stores Mb and mt; every exponent <= 0): ``_fwd_o`` adds the band to the outputs, ``_fwd_h``
+to the final state. The segment's initial state is S'_{-1} (the old steps' weights are in it already).
+Backward: falcon1a's kernels for the GLA (``_bwd_dqx`` stores dq, dx', dv' = mt du', dmt and dG in fp32 instead of
+finishing with the gates), then three light per-chunk kernels (the band's cost is O(W (K + V)) per step):
+``_win_bwd_rows`` (the band's dq; dMb; the weights' gradients to c and g as per-row terms), ``_win_bwd_gates``
+(gathers dc and dg, the gates' chain rule) and ``_win_bwd_pairs`` (dk, dv of each pair: its delayed GLA row, its
+band rows, the window energy; the carried tail's in the first chunk); ``_win_bwd_final`` first forms the final
+state's band terms from dht. The final state's tail is gathered on the host from k, v and the old tail (an indexing:
+autograd handles it).
 """
 
 from __future__ import annotations
@@ -235,26 +236,14 @@ def _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV: tl.c
 
 
 @triton.jit
-def _store_split(p, p_sh, b, mask, m_sh):
-    """Stores a tile: the rows of m_sh as fp32 partial sums at p_sh (falcon3a: a chunk's last W - 1 pairs, which
-    the next chunk's program also adds to; _bwd_win_shared sums the two), the others in p's dtype at p."""
-    tl.store(p, b.to(p.dtype.element_ty), mask=mask & (m_sh == 0)[:, None])
-    tl.store(p_sh, b, mask=mask & m_sh[:, None])
-
-
-@triton.jit
 def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV: tl.constexpr, K: tl.constexpr,
-              BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, SPLIT: tl.constexpr, p_sh, m_sh):
-    """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key);
-    with SPLIT the rows of m_sh go to the partial sums at p_sh instead (see _store_split; else unused)."""
+              BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key)."""
     o_k = tl.arange(0, BK)
     r = o_t - SHIFT
     p_dk = dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :]
     m_dk = (m_t & (r >= 0))[:, None] & (o_k < K)[None, :]
-    if SPLIT:
-        _store_split(p_dk, p_sh, b_dx, m_dk, m_sh)
-    else:
-        tl.store(p_dk, b_dx.to(p_dk.dtype.element_ty), mask=m_dk)
+    tl.store(p_dk, b_dx.to(p_dk.dtype.element_ty), mask=m_dk)
     if SHIFT:
         # the sequence's last key is no write feature (x_t = k_{t-1}), so nothing above writes its row: its zero
         # gradient is stored here, instead of zero-filling all of dk before the backward
@@ -273,12 +262,12 @@ def _store_gate_grads(b_x, b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k
     """Adds the energy path (dE = dden, E = ||x||^2) to dx, writes dk, dbeta and dlam."""
     _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
     _store_dk(b_dx + (2 * b_dden)[:, None] * b_x, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK,
-              SHIFT, USE_INITIAL_STATE, False, dk, m_t)
+              SHIFT, USE_INITIAL_STATE)
 
 
 # ----------------------------------------------------------------------------------------------
-# falcon3a helpers: pairs at in-sequence positions p (p < 0: the carried tail), the window gates,
-# and the window's mixing weights M[t, p] = sum_{r = max(p, t0)}^{min(t, p + W - 1)} c_r exp(G_t - G_r)
+# falcon3a helpers: pairs at in-sequence positions p (p < 0: the carried tail), the window gates, the delayed
+# GLA rows
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -364,48 +353,35 @@ def _win_gates(k, last_k, count, tail_x, beta, lam, E, i_n, i_h, i_hv, bos, o_t,
 
 
 @triton.jit
-def _win_M(c, G, bos, i_hv, HV: tl.constexpr, b_Gt, o_t, o_p, valid_p, t0, T, BR: tl.constexpr,
-           BC: tl.constexpr, WIN: tl.constexpr, TRANS: tl.constexpr):
-    """M[t, p] ([BR, BC]; [BC, BR] with TRANS) for the rows o_t of the chunk starting at t0 and the pairs o_p:
-    at most W masked terms c_r exp(G_t - G_r), r = p + d in [t0, t], each exponent <= 0. Built
-    elementwise in both orientations: a transposed dot result must not feed another tl.dot on Hopper.
-    The masks are index comparisons only and the pairs' validity is a float factor: bool tensors
-    derived from loads cannot move into the dot layouts through shared memory."""
-    if TRANS:
-        b_M = tl.zeros([BC, BR], dtype=tl.float32)
+def _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr, K: tl.constexpr,
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """The keys of the GLA rows o_t (key columns o_k) and whether each row carries a pair: x_t, or for falcon3a
+    (WIN > 0) x_{t-W+1}, the pair whose window ends at step t."""
+    if WIN > 0:
+        b_x, valid = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_t - (WIN - 1), m_t, o_k, H, K, WIN,
+                                      SHIFT, USE_INITIAL_STATE)
     else:
-        b_M = tl.zeros([BR, BC], dtype=tl.float32)
-    m_t = o_t < T
-    for d in tl.static_range(WIN):
-        r = o_p + d
-        m_r = (r >= t0) & (r < T)
-        b_c = tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)
-        b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
-        if TRANS:
-            m = m_r[:, None] & m_t[None, :] & (r[:, None] <= o_t[None, :])
-            b_M += tl.where(m, b_c[:, None] * tl.exp(tl.where(m, b_Gt[None, :] - b_Gr[:, None], 0.)), 0.)
-        else:
-            m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
-            b_M += tl.where(m, b_c[None, :] * tl.exp(tl.where(m, b_Gt[:, None] - b_Gr[None, :], 0.)), 0.)
-    b_vf = valid_p.to(tl.float32)
-    if TRANS:
-        b_M = b_M * b_vf[:, None]
-    else:
-        b_M = b_M * b_vf[None, :]
-    return b_M
+        b_x, valid = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
+    return b_x, valid
 
 
 @triton.jit
-def _win_m_end(c, G, bos, i_hv, HV: tl.constexpr, b_Gl, last, o_p, valid_p, t0, WIN: tl.constexpr):
-    """M[last, p]: the weights of the pairs o_p in the state at the chunk's last row."""
-    b_m = tl.zeros_like(b_Gl + o_p.to(tl.float32))
-    for d in tl.static_range(WIN):
-        r = o_p + d
-        m_r = (r >= t0) & (r <= last)
-        b_c = tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)
-        b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
-        b_m += tl.where(m_r, b_c * tl.exp(tl.where(m_r, b_Gl - b_Gr, 0.)), 0.)
-    return b_m * valid_p.to(tl.float32)
+def _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV: tl.constexpr, V: tl.constexpr,
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """The values (fp32) of the GLA rows o_t: v_t, or for falcon3a v_{t-W+1} (see _load_gla_x)."""
+    if WIN > 0:
+        b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - (WIN - 1), m_t, o_v, HV, V, WIN, SHIFT,
+                          USE_INITIAL_STATE)
+    else:
+        b_v = tl.load(v + ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :],
+                      mask=m_t[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
+    return b_v
+
+
+@triton.jit
+def _col(b, o_d, d):
+    """Column d of a [R, 8] tile, as a vector."""
+    return tl.sum(tl.where(o_d[None, :] == d, b, 0.), 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,15 +390,17 @@ def _win_m_end(c, G, bos, i_hv, HV: tl.constexpr, b_Gl, last, o_p, valid_p, t0, 
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
 @triton.jit
-def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta,
+def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               SHIFT: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
               HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-              IS_VARLEN: tl.constexpr, E_GIVEN: tl.constexpr):
+              IS_VARLEN: tl.constexpr, E_GIVEN: tl.constexpr, WIN_AUX: tl.constexpr = False):
     """Shift, energies, gates and the in-chunk cumulative log-decay G over BT steps; `eta` holds eta (the windowed
-    rules: c = eta / B_t). E_GIVEN: the window energies are read from E (falcon3, see _win_gates)."""
+    rules: c = eta / B_t). E_GIVEN: the window energies are read from E (falcon3, see _win_gates). WIN_AUX (falcon3a):
+    also the log-decay g, the window energy and 1 / B_t per step (gl, Ew, rBw), which _win_weights and the backward
+    read instead of reloading the window's keys."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -448,11 +426,41 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta,
             SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE, E_GIVEN)
         tl.store(G + (bos + o_t) * HV + i_hv, tl.cumsum(b_g, 0), mask=m_t)
         tl.store(eta + (bos + o_t) * HV + i_hv, b_eta * b_rB, mask=m_t)
+        if WIN_AUX:
+            tl.store(gl + (bos + o_t) * HV + i_hv, b_g, mask=m_t)
+            tl.store(Ew + (bos + o_t) * HV + i_hv, b_E, mask=m_t)
+            tl.store(rBw + (bos + o_t) * HV + i_hv, b_rB, mask=m_t)
     else:
         b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
             b_xl.to(tl.float32), beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
         tl.store(G + (bos + o_t) * HV + i_hv, tl.cumsum(b_g, 0), mask=m_t)
         tl.store(eta + (bos + o_t) * HV + i_hv, b_eta, mask=m_t)
+
+
+@triton.jit
+def _win_weights(c, gl, wm, mt, cu_seqlens, chunk_indices, chunk_offsets, T,
+                 HV: tl.constexpr, BT: tl.constexpr, WIN: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """falcon3a's weights per step t: wm[t, d] = sum_{j <= d} c_{t-j} exp(g_{t-j+1} + ... + g_t) for d < W (the band's
+    Mb[t, d] for d < W - 1), and mt_t = wm[t, W - 1] (the delayed GLA row's value weight). The exponent is a running
+    sum of at most W - 1 log-decays (<= 0), across chunk boundaries."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_d = tl.arange(0, 8)
+    b_lg = tl.zeros([BT], dtype=tl.float32)
+    b_acc = tl.zeros([BT], dtype=tl.float32)
+    b_w = tl.zeros([BT, 8], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        r = o_t - d
+        m_r = m_t & (r >= 0)
+        if d > 0:
+            b_lg += tl.load(gl + (bos + r + 1) * HV + i_hv, mask=m_r, other=0)
+        b_acc += tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0) * tl.exp(b_lg)
+        b_w = tl.where(o_d[None, :] == d, b_acc[:, None], b_w)
+    tl.store(wm + ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :], b_w, mask=m_t[:, None])
+    tl.store(mt + (bos + o_t) * HV + i_hv, b_acc, mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -619,7 +627,7 @@ def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chun
 
 @triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
+def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
            cu_seqlens, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -627,7 +635,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Forward over chunks: h[c] = the state at the start of chunk c, [BK, BV] per program. The rules without a delta
     term may split the key dimension (BK < K, one block per program axis 1): their state's key rows evolve
-    independently; falcon1's delta term W S needs all of them (BK covers K)."""
+    independently; falcon1's delta term W S needs all of them (BK covers K). falcon3a: the delayed GLA rows (eta
+    holds mt), and the band's pairs added to the final state."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -644,7 +653,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         last = min(i_t * BT + BT, T) - 1
-        b_x, valid = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
+        b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                                 USE_INITIAL_STATE)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         if PER_COL:
@@ -664,31 +674,28 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn,
                 b_u -= tl.dot(b_w, b_h.to(b_w.dtype))
                 tl.store(vn + p_tv, b_u.to(vn.dtype.element_ty), mask=m_tv)
                 b_u = b_u * tl.exp(b_Gl - b_G)[:, None]
-            elif WIN > 0:
-                # falcon3a: S_end = exp(G_C) S_start + sum_p x_p v_p^T M[C, p] over the chunk's pairs ...
-                b_m = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_t, valid, i_t * BT, WIN)
-                b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_m[:, None]
             else:
                 b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-                b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
+                b_u = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
+                                  USE_INITIAL_STATE) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
             b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u.to(k.dtype.element_ty))
-            if WIN > 1:
-                # ... and the W - 1 pairs before it (previous chunk, or the carried tail)
-                o_p = i_t * BT - 16 + tl.arange(0, 16)
-                m_p = o_p >= i_t * BT - (WIN - 1)
-                b_xp, valid_p = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H, K, WIN,
-                                                 SHIFT, USE_INITIAL_STATE)
-                b_mp = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, i_t * BT, WIN)
-                b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
-                                   USE_INITIAL_STATE)
-                b_h += tl.dot(tl.trans(b_xp), (b_vp * b_mp[:, None]).to(k.dtype.element_ty))
+    if STORE_FINAL_STATE:
+        if WIN > 1:
+            # falcon3a: the full state adds the pairs p = T-1-d (d < W - 1) whose window has not ended, Mb[T-1, d]
+            o_p = T - 16 + tl.arange(0, 16)
+            m_p = (o_p >= T - (WIN - 1)) & (o_p * 0 + T > 0)   # none in an empty sequence
+            b_xp, valid_p = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H, K, WIN, SHIFT,
+                                             USE_INITIAL_STATE)
+            b_wp = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
+            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+            b_h += tl.dot(tl.trans(b_xp), (b_vp * b_wp[:, None]).to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale,
+def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
            cu_seqlens, chunk_indices, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -704,7 +711,8 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale,
     o_v = i_v * BV + tl.arange(0, BV)
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
                   mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                             USE_INITIAL_STATE)
     b_h = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
@@ -712,31 +720,26 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale,
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
     if DELTA:
         b_u = tl.load(vn + p_tv, mask=m_tv, other=0)
-    elif WIN > 0:
-        b_u = tl.load(v + p_tv, mask=m_tv, other=0)
     else:
         b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-        b_u = (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta[:, None]).to(q.dtype.element_ty)
+        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+               * b_eta[:, None]).to(q.dtype.element_ty)
     b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)[:, None]
     b_s = tl.dot(b_q, tl.trans(b_x))
-    if WIN > 0:
-        # falcon3a: o_t = q_t^T (exp(G_t) S_start + sum_p x_p v_p^T M[t, p])
-        b_s = b_s * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, i_t * BT, T, BT, BT, WIN, False)
-    else:
-        # real rows t only: a padded row reads G = 0 and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
-        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-        b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
+    # real rows t only: a padded row reads G = 0 and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
+    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
     b_o += tl.dot(b_s.to(b_q.dtype), b_u.to(b_q.dtype))
     if WIN > 1:
-        # the W - 1 pairs before the chunk (previous chunk, or the carried tail): a 16-row block
-        o_p = i_t * BT - 16 + tl.arange(0, 16)
-        m_p = o_p >= i_t * BT - (WIN - 1)
-        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
-                                    USE_INITIAL_STATE)
-        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-        b_sp = tl.dot(b_q, tl.trans(b_xp))
-        b_sp = b_sp * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, i_t * BT, T, BT, 16, WIN, False)
-        b_o += tl.dot(b_sp.to(b_q.dtype), b_vp.to(b_q.dtype))
+        # falcon3a's band: the pairs p = t - d (d < W - 1) whose window has not ended at t, weight Mb[t, d]
+        b_qf = b_q.to(tl.float32)
+        for d in tl.static_range(WIN - 1):
+            b_xd, valid_d = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                        USE_INITIAL_STATE)
+            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
+            b_vd = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT,
+                               USE_INITIAL_STATE)
+            b_o += (b_wd * tl.sum(b_qf * b_xd.to(tl.float32), 1))[:, None] * b_vd
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -744,14 +747,15 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale,
 # backward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dv_local(q, k, last_k, count, G, do, du, scale,
+def _bwd_dv_local(q, k, last_k, count, tail_x, G, do, du, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO."""
+                  SHIFT: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO (falcon3a: on its
+    delayed GLA rows)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -762,7 +766,8 @@ def _bwd_dv_local(q, k, last_k, count, G, do, du, scale,
     o_v = i_v * BV + tl.arange(0, BV)
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
                   mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                             USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_st = tl.dot(b_x, tl.trans(b_q))           # [s, t]
     m_s = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]   # real t only (see _fwd_o)
@@ -833,18 +838,19 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
+def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
              dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-             SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-             USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+             SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
+             LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
-    the gates' chain rule and writes dk, dbeta, dlam."""
+    the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) stores dq, dx',
+    dG, dv' = mt dU' (in dv) and dmt (in dw), all fp32, for the _win_bwd_* kernels."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -855,7 +861,8 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+    b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                             USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_Gl = tl.load(G + (bos + last) * HV + i_hv)
     b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
@@ -882,7 +889,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
             b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype)
             b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
         else:
-            b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+            b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_u = (b_v * b_eta[:, None]).to(b_q.dtype)
             b_deta += tl.sum(b_du * b_v, 1)
             tl.store(dv + p_tv, (b_du * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
@@ -921,6 +928,10 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, d
         tl.store(dx + p_tk, b_dx, mask=m_tk)
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
         tl.store(dw + p_tk, -b_dw, mask=m_tk)
+    elif WIN > 0:
+        tl.store(dx + p_tk, b_dx, mask=m_tk)
+        tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
+        tl.store(dw + (bos + o_t) * HV + i_hv, b_deta, mask=m_t)
     else:
         b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
             b_xf, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
@@ -1402,8 +1413,7 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
         b_dden += tl.load(p_row + 1, mask=m_t, other=0)
     b_xf = b_xl.to(tl.float32)
     b_dx += (2 * b_dden)[:, None] * b_xf
-    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE,
-              False, dk, m_t)
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
     if HAS_LAM:
         b_dlp += b_dden
         if LAM_COUPLED:
@@ -1412,241 +1422,247 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
 
 
 # ----------------------------------------------------------------------------------------------
-# falcon3a backward, two kernels per chunk (one pass over the value blocks each: a single kernel that
-# carried every accumulator spilled ~1 KB of registers per thread at K = V = 128):
-#   _bwd_win_dqv: dq, the decay/gate gradients (dbeta, dlam), and for _bwd_win_dk the window products
-#                 PM = scale (do.v) M ([t, p], read back transposed) and the energy weights;
-#   _bwd_win_dk:  dv, and dx (shifted onto dk) from PM^T q, the state path x^T dS v and the window energy.
-# A pair p gets gradient from the steps r = p..p+W-1 whose window holds it; those of the next chunk are
-# computed by that chunk (its 16-row block of pairs before the chunk) as partial sums that _bwd_win_shared adds
-# to this chunk's (or into the tail's gradient).
+# falcon3a backward after falcon1a's kernels on the delayed GLA rows (see the module docstring). Every kernel here is
+# per chunk and elementwise over [BT, K] / [BT, BV] tiles, O(W) of them: the band has W - 1 terms per step.
+#   _win_bwd_final: the final state's band terms from dht (the last W - 1 pairs of each sequence);
+#   _win_bwd_rows:  per step t, the band's dq and dMb[t, d] = scale (q_t.x_{t-d})(do_t.v_{t-d}) (+ x^T dht v on the
+#                   last step); then the weights' gradients, to c and to g, as per-row terms: y[t, d] for c_{t-d}
+#                   and suffix sums Zs[t, j] for g_{t-j+1};
+#   _win_bwd_gates: per step, dc and dg gathered from the rows t = s .. s + W - 1, with dG of the GLA: the gates'
+#                   chain rule, and the window energy's weight 2 dE / B;
+#   _win_bwd_pairs: per pair p, dx and dv from its delayed GLA row p + W - 1, its band rows p .. p + W - 2, the
+#                   final state and the window energy; the first chunk also does the carried tail's pairs.
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _bwd_win_dqv(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do,
-                 dq, pm, pmp, wE, dbeta, dlam, scale, eps, eps_gamma,
-                 cu_seqlens, chunk_indices, chunk_offsets, T,
-                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
-                 SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-                 USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """o_t = scale q_t^T (exp(G_t) S0 + sum_p x_p v_p^T M[t, p]), S_end = exp(G_C) S0 + sum_p x_p v_p^T M[C, p]:
-    dq and dv from the products; dM = scale (q.x)(do.v) (+ x^T dS_end v on the last row), then
-    dG_t += sum_p dM M, dc_r = sum_{t >= r, p in window(r)} exp(G_t - G_r) dM[t, p], dG_r -= c_r dc_r and
-    the gates' chain rule (c = eta / B). Stores PM = scale (do.v) M for the pairs of the chunk (pm) and of the
-    block before it (pmp), and the window energy's weight 2 dE_r / B_r (wE), which _bwd_win_dk reads."""
+def _win_bwd_final(k, v, last_k, count, tail_x, tail_v, wm, dht, fx, fv, fm, cu_seqlens, chunk_offsets, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The final state's band, S_T += sum_d Mb[T-1, d] x_p v_p^T (p = T-1-d), against dht: rows j = p - (T - 16) of
+    fx = Mb dht v_p, fv = Mb dht^T x_p and fm = x_p^T dht v_p (the gradient of Mb[T-1, d])."""
+    i_nh = tl.program_id(0)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, T, boh, NT = _seq_span(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_j = tl.arange(0, 16)
+    o_p = T - 16 + o_j
+    m_p = (o_p >= T - (WIN - 1)) & (o_p * 0 + T > 0)   # none in an empty sequence
+    o_k = tl.arange(0, BK)
+    b_x, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                               USE_INITIAL_STATE)
+    b_x = b_x.to(tl.float32)
+    b_w = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
+    b_fx = tl.zeros([16, BK], dtype=tl.float32)
+    b_fm = tl.zeros([16], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_dht = tl.load(dht + (i_nh * K + o_k[:, None]) * V + o_v[None, :],
+                        mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
+        b_fv = tl.dot(b_x, b_dht, input_precision="ieee")                  # [16, BV]: rows x_p^T dht
+        b_fm += tl.sum(b_fv * b_v, 1)
+        b_fx += tl.dot(b_v, tl.trans(b_dht), input_precision="ieee")      # [16, BK]: rows (dht v_p)^T
+        tl.store(fv + (i_nh * 16 + o_j)[:, None] * V + o_v[None, :], b_fv * b_w[:, None], mask=(o_v < V)[None, :])
+    tl.store(fx + (i_nh * 16 + o_j)[:, None] * K + o_k[None, :], b_fx * b_w[:, None], mask=(o_k < K)[None, :])
+    tl.store(fm + i_nh * 16 + o_j, b_fm)
+
+
+# 4 warps spill 400-800 B per thread at K = V = 128 (aot_check, sm_90)
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'HAS_FINAL', 'IS_VARLEN'])
+@triton.jit
+def _win_bwd_rows(q, k, v, last_k, count, tail_x, tail_v, c, gl, wm, do, dq32, dmt, fm, dq, yz, scale,
+                  cu_seqlens, chunk_indices, chunk_offsets, T,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                  HAS_FINAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per step t: dq = dq(GLA) + scale sum_d Mb[t, d] (do_t.v_p) x_p over the band's pairs p = t - d, and
+    dMb[t, d] = scale (q_t.x_p)(do_t.v_p) (+ fm on the sequence's last step). With w[t, d] = dmt_t + sum_{d' >= d}
+    dMb[t, d'] (mt = wm[., W - 1], Mb[t, d] = wm[t, d] = sum_{j <= d} c_{t-j} e[t, j], e[t, j] = exp(g_{t-j+1} + ... +
+    g_t)): dc_{t-j} += w[t, j] e[t, j] =: y[t, j], and g_s (t - j < s <= t) gets z[t, j] = y[t, j] c_{t-j}, so
+    dg_{t-i} += Zs[t, i + 1] = sum_{j > i} z[t, j]. Stores y (yz[., 0:8]) and Zs (yz[., 8:16])."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    t0 = i_t * BT
-    o_s = tl.arange(0, BT)
-    o_t = t0 + o_s
+    o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    last = min(t0 + BT, T) - 1
     o_k = tl.arange(0, BK)
+    o_d = tl.arange(0, 8)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    o_j = tl.arange(0, 16)
-    o_p = t0 - 16 + o_j     # the pairs before the chunk; only the last W - 1 can be in a window here
-    m_p = o_p >= t0 - (WIN - 1)
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    dt = b_q.dtype
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_xpl, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
-                                 USE_INITIAL_STATE)
-    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-    b_Gl = tl.load(G + (bos + last) * HV + i_hv)
-    b_dqS = tl.zeros([BT, BK], dtype=tl.float32)
-    b_P = tl.zeros([BT, BT], dtype=tl.float32)
-    b_Pp = tl.zeros([BT, 16], dtype=tl.float32)
-    b_e = tl.zeros([BT], dtype=tl.float32)
-    b_ep = tl.zeros([16], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(dt)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(dt)
-        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
-                           USE_INITIAL_STATE).to(dt)
-        b_dqS += tl.dot(b_do, tl.trans(b_h))
-        b_P += tl.dot(b_do, tl.trans(b_v))
-        b_Pp += tl.dot(b_do, tl.trans(b_vp))
-        b_xdh = tl.dot(b_xl, b_dh.to(dt))
-        b_xpdh = tl.dot(b_xpl, b_dh.to(dt))
-        b_e += tl.sum(b_xdh * b_v.to(tl.float32), 1)
-        b_ep += tl.sum(b_xpdh * b_vp.to(tl.float32), 1)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh, 1)
-    # the chunk-start state's paths
-    b_dq = b_dqS * (tl.exp(b_G) * scale)[:, None]
-    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) + tl.where(o_t == last, tl.exp(b_Gl) * tl.sum(b_hdh, 0), 0.)
-    # the window paths
-    b_M = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, False)       # [t, p]
-    b_Mp = _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, False)    # [t, j]
-    b_PM = b_P * b_M * scale
-    b_PMp = b_Pp * b_Mp * scale
-    tl.store(pm + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_PM, mask=m_t[:, None])
-    tl.store(pmp + ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_j[None, :], b_PMp, mask=m_t[:, None])
-    b_dq += tl.dot(b_PM.to(dt), b_xl) + tl.dot(b_PMp.to(dt), b_xpl)
-    tl.store(dq + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    is_last = (o_t == last)[:, None]
-    b_dM = tl.dot(b_q, tl.trans(b_xl)) * scale * b_P + tl.where(is_last, b_e[None, :], 0.)
-    b_dMp = tl.dot(b_q, tl.trans(b_xpl)) * scale * b_Pp + tl.where(is_last, b_ep[None, :], 0.)
-    b_dG += tl.sum(b_dM * b_M, 1) + tl.sum(b_dMp * b_Mp, 1)
-    # dc_r: for each offset d the pairs p = r - d; a one-hot sum moves the result from p to r's row
-    # (dM is 0 in the columns of missing pairs: x = 0 there; index masks only, as in _win_M)
-    b_dc = tl.zeros([BT], dtype=tl.float32)
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    b_qf = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    b_dq = tl.load(dq32 + p_tk, mask=m_tk, other=0)
+    b_dM = tl.zeros([BT, 8], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_xd, valid_d = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        b_xd = b_xd.to(tl.float32)
+        b_dvd = tl.zeros([BT], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            b_do = tl.load(do + ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :],
+                           mask=m_t[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
+            b_vd = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT,
+                               USE_INITIAL_STATE)
+            b_dvd += tl.sum(b_do * b_vd, 1)
+        b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
+        b_dq += (scale * b_wd * b_dvd)[:, None] * b_xd
+        b_dMd = scale * tl.sum(b_qf * b_xd, 1) * b_dvd
+        if HAS_FINAL:
+            b_dMd += tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - d + o_t * 0, mask=m_t & (o_t == T - 1), other=0)
+        b_dM = tl.where(o_d[None, :] == d, b_dMd[:, None], b_dM)
+    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    # w[t, d] = dmt_t + sum_{d' >= d} dMb[t, d']
+    b_wt = tl.load(dmt + (bos + o_t) * HV + i_hv, mask=m_t, other=0)[:, None] + (
+        tl.sum(b_dM, 1)[:, None] - tl.cumsum(b_dM, 1) + b_dM)
+    b_lg = tl.zeros([BT], dtype=tl.float32)
+    b_y = tl.zeros([BT, 8], dtype=tl.float32)
+    b_z = tl.zeros([BT, 8], dtype=tl.float32)
     for d in tl.static_range(WIN):
-        r = o_t + d
-        m_r = r < T
-        b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
-        m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
-        b_y = tl.sum(tl.where(m, tl.exp(tl.where(m, b_G[:, None] - b_Gr[None, :], 0.)) * b_dM, 0.), 0)
-        b_dc += tl.sum(tl.where((o_s[None, :] + d) == o_s[:, None], b_y[None, :], 0.), 1)
-        if WIN > 1:
-            r = o_p + d
-            m_r = (r >= t0) & (r < T)
-            b_Gr = tl.load(G + (bos + r) * HV + i_hv, mask=m_r, other=0)
-            m = m_t[:, None] & m_r[None, :] & (r[None, :] <= o_t[:, None])
-            b_y = tl.sum(tl.where(m, tl.exp(tl.where(m, b_G[:, None] - b_Gr[None, :], 0.)) * b_dMp, 0.), 0)
-            b_dc += tl.sum(tl.where((o_j[None, :] + d - 16) == o_s[:, None], b_y[None, :], 0.), 1)
-    valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
-        k, last_k, count, tail_x, beta, lam, None, i_n, i_h, i_hv, bos, o_t, m_t, eps, eps_gamma, H, HV, K, BK, WIN,
-        SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE, False)
-    b_dG -= b_eta * b_rB * b_dc
-    b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, tl.zeros([BT], dtype=tl.float32), b_dc * b_rB, b_lp, b_den,
-                                        b_eta, b_a, clamped, valid)
+        r = o_t - d
+        m_r = m_t & (r >= 0)
+        if d > 0:
+            b_lg += tl.load(gl + (bos + r + 1) * HV + i_hv, mask=m_r, other=0)
+        b_cd = tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)
+        b_yd = _col(b_wt, o_d, d) * tl.exp(b_lg)
+        b_y = tl.where(o_d[None, :] == d, b_yd[:, None], b_y)
+        b_z = tl.where(o_d[None, :] == d, (b_yd * b_cd)[:, None], b_z)
+    p_yz = ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_d[None, :]
+    tl.store(yz + p_yz, b_y, mask=m_t[:, None])
+    tl.store(yz + p_yz + 8, tl.sum(b_z, 1)[:, None] - tl.cumsum(b_z, 1) + b_z, mask=m_t[:, None])
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)],
+                 key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.jit
+def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
+                   cu_seqlens, chunk_indices, chunk_offsets, T,
+                   HV: tl.constexpr, BT: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
+                   LAM_COUPLED: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per step s: dc_s = sum_d y[s + d, d], the direct dg_s = sum_{i < W-1} Zs[s + i, i + 1] (see _win_bwd_rows)
+    and dG of the GLA (its in-chunk reverse cumsum), through the gates (c = eta / B); wE = 2 dE / B for the keys."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_dc = tl.zeros([BT], dtype=tl.float32)
+    b_dgd = tl.zeros([BT], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        m_r = m_t & (o_t + d < T)
+        b_dc += tl.load(yz + ((bos + o_t + d) * HV + i_hv) * 16 + d, mask=m_r, other=0)
+        if d < WIN - 1:
+            b_dgd += tl.load(yz + ((bos + o_t + d) * HV + i_hv) * 16 + 9 + d, mask=m_r, other=0)
+    b_rB = tl.load(rBw + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_E = tl.load(Ew + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    valid = m_t & (b_rB > 0)
+    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
+    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_dc * b_rB, b_lp, b_den, b_eta, b_a, clamped, valid)
     _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
-    # the window energy E_r = sum_{p in window(r)} ||x_p||^2 / B_r: dx_p += 2 x_p sum_r dE_r / B_r
     tl.store(wE + (bos + o_t) * HV + i_hv, 2 * b_dden * b_rB, mask=m_t)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _bwd_win_dk(q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE,
-                dk, dv, shk, shv, dlast_k, dtail_x, dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
-                SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dx_p = sum_t PM[t, p] q_t + M[C, p] dS_end v_p + x_p sum_{r: p in window(r)} wE_r, and dv_p, for the
-    pairs of the chunk and of the 16-row block before it (the tail's gradient at a sequence start). The
-    last W - 1 pairs of a chunk also get gradient from the next chunk's program: both programs write those
-    rows as fp32 partial sums (shk/shv [chunk, HV, 2, 8, K or V]: slot 0 this chunk's, slot 1 the block before
-    it), which _bwd_win_shared adds into dk and dv. Every other row is written once, in dk's and dv's dtype:
-    no zero-filled fp32 buffers, no atomics, no casts afterwards (~160 us of 2.3 ms at (4, 4096, 16, 128, 128))."""
+def _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dv_out, r_dv, scale,
+                    i_n, i_h, i_hv, bos, T, o_p, m_p, R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
+                    SHIFT: tl.constexpr, HAS_FINAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """dx (returned, fp32, with the pairs' validity) and dv (stored at dv_out + r_dv) of the R pairs o_p: dx'/dv' of the
+    delayed GLA row p + W - 1, the band rows t = p + d (d < W - 1, weight scale Mb[t, d]), the final state's band
+    (fx, fv) and the window energy x_p sum_{r = p}^{p + W - 1} wE_r."""
+    o_k = tl.arange(0, BK)
+    o_d = tl.arange(0, 8)
+    b_x, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                               USE_INITIAL_STATE)
+    b_xf = b_x.to(tl.float32)
+    r_g = o_p + WIN - 1             # the pair's delayed GLA row
+    m_g = m_p & (r_g < T)
+    j_f = o_p - (T - 16)            # its row in fx / fv when in the final state's band
+    m_f = m_p & (o_p >= T - (WIN - 1))
+    # per band row d: scale Mb[t, d] and q_t.x_p
+    b_wb = tl.zeros([R, 8], dtype=tl.float32)
+    b_qx = tl.zeros([R, 8], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        t = o_p + d
+        m_r = m_p & (t >= 0) & (t < T)
+        b_qt = tl.load(q + ((bos + t) * H + i_h)[:, None] * K + o_k[None, :],
+                       mask=m_r[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
+        b_wd = scale * tl.load(wm + ((bos + t) * HV + i_hv) * 8 + d, mask=m_r, other=0)
+        b_wb = tl.where(o_d[None, :] == d, b_wd[:, None], b_wb)
+        b_qx = tl.where(o_d[None, :] == d, tl.sum(b_qt * b_xf, 1)[:, None], b_qx)
+    b_dvd = tl.zeros_like(b_wb)     # do_t.v_p per band row
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = (o_v < V)[None, :]
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_dv = tl.load(dv32 + ((bos + r_g) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v, other=0)
+        for d in tl.static_range(WIN - 1):
+            t = o_p + d
+            m_r = m_p & (t >= 0) & (t < T)
+            b_dot = tl.load(do + ((bos + t) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v,
+                            other=0).to(tl.float32)
+            b_dv += (_col(b_wb, o_d, d) * _col(b_qx, o_d, d))[:, None] * b_dot
+            b_dvd += tl.where(o_d[None, :] == d, tl.sum(b_dot * b_vp, 1)[:, None], 0.)
+        if HAS_FINAL:
+            b_dv += tl.load(fv + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v,
+                            other=0)
+        tl.store(dv_out + r_dv[:, None] + o_v[None, :], b_dv.to(dv_out.dtype.element_ty), mask=m_p[:, None] & m_v)
+    m_pk = (o_k < K)[None, :]
+    b_dx = tl.load(dx32 + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_pk, other=0)
+    b_cq = b_wb * b_dvd
+    for d in tl.static_range(WIN - 1):
+        t = o_p + d
+        m_r = m_p & (t >= 0) & (t < T)
+        b_qt = tl.load(q + ((bos + t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_pk,
+                       other=0).to(tl.float32)
+        b_dx += _col(b_cq, o_d, d)[:, None] * b_qt
+    if HAS_FINAL:
+        b_dx += tl.load(fx + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_pk,
+                        other=0)
+    # the window energy: pair p is in the windows of the steps r = p .. p + W - 1
+    b_ws = tl.zeros([R], dtype=tl.float32)
+    for d in tl.static_range(WIN):
+        r = o_p + d
+        b_ws += tl.load(wE + (bos + r) * HV + i_hv, mask=m_p & (r >= 0) & (r < T), other=0)
+    b_dx += b_ws[:, None] * b_xf
+    return b_dx, valid_p
+
+
+# 4 warps spill 400-800 B per thread at K = V = 128 (aot_check, sm_90)
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'HAS_FINAL', 'IS_VARLEN'])
+@triton.jit
+def _win_bwd_pairs(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dk, dv, dlast_k, dtail_x,
+                   dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                   HAS_FINAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """dk and dv of the chunk's pairs (see _win_pair_grads); the first chunk of a sequence with a carried tail also
+    writes the tail's gradient (its pairs p = -(W-1) .. -1)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    t0 = i_t * BT
-    o_s = tl.arange(0, BT)
-    o_t = t0 + o_s
+    o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    last = min(t0 + BT, T) - 1
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    o_j = tl.arange(0, 16)
-    o_p = t0 - 16 + o_j
-    m_p = o_p >= t0 - (WIN - 1)
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_xpl, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
-                                 USE_INITIAL_STATE)
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    dt = b_xl.dtype
-    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-    b_Gl = tl.load(G + (bos + last) * HV + i_hv)
-    # this chunk's last W - 1 pairs when a next chunk of the sequence adds to them: their partial sums go to
-    # slot 0 of the scratch (row o_s - (BT - W + 1)); the block before the chunk's go to slot 1 (row o_j - 17 + W)
-    m_sh = (o_s >= BT - (WIN - 1)) & ((t0 + BT + o_s * 0) < T)
-    r_sh = ((boh + i_t) * HV + i_hv) * 16 + o_s - (BT - (WIN - 1))
-    r_shp = ((boh + i_t) * HV + i_hv) * 16 + 8 + o_j - (16 - (WIN - 1))
-    # dv = (scale x q^T * M^T) do + M[C, p] x dS_end: the [p, t] weights, built before the value loop
-    b_AMt = (tl.dot(b_xl, tl.trans(b_q)) * scale
-             * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_t, valid, t0, T, BT, BT, WIN, True)).to(dt)
-    b_AMpt = (tl.dot(b_xpl, tl.trans(b_q)) * scale
-              * _win_M(eta, G, bos, i_hv, HV, b_G, o_t, o_p, valid_p, t0, T, BT, 16, WIN, True)).to(dt)
-    b_mC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_t, valid, t0, WIN)
-    b_mpC = _win_m_end(eta, G, bos, i_hv, HV, b_Gl, last, o_p, valid_p, t0, WIN)
-    b_dxS = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dxSp = tl.zeros([16, BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(dt)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(dt)
-        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT,
-                           USE_INITIAL_STATE).to(dt)
-        b_dxS += tl.dot(b_v, tl.trans(b_dh))
-        b_dxSp += tl.dot(b_vp, tl.trans(b_dh))
-        b_dv = tl.dot(b_AMt, b_do) + b_mC[:, None] * tl.dot(b_xl, b_dh)
-        _store_split(dv + p_tv, shv + r_sh[:, None] * V + o_v[None, :], b_dv, m_tv, m_sh)
+    b_dx, valid = _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dv,
+                                  ((bos + o_t) * HV + i_hv) * V, scale, i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K,
+                                  V, BK, BV, WIN, SHIFT, HAS_FINAL, USE_INITIAL_STATE)
+    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
+    if USE_INITIAL_STATE:
         if WIN > 1:
-            b_dvp = tl.dot(b_AMpt, b_do) + b_mpC[:, None] * tl.dot(b_xpl, b_dh)
-            m_pv = (o_v < V)[None, :]
-            tl.store(shv + r_shp[:, None] * V + o_v[None, :], b_dvp, mask=(m_p & (o_p >= 0))[:, None] & m_pv)
-            if USE_INITIAL_STATE:
-                tl.store(dtail_v + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * V + o_v[None, :],
-                         b_dvp, mask=(m_p & (o_p < 0))[:, None] & m_pv)
-    # PM^T through transposed pointers (row p of PM^T is column p of PM): a transposed dot result must
-    # not feed tl.dot on Hopper, and PM comes from the other kernel anyway
-    b_PMt = tl.load(pm + ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None], mask=m_t[None, :], other=0)
-    b_dx = tl.dot(b_PMt.to(dt), b_q) + b_mC[:, None] * b_dxS
-    # the window energy: pair p is in the windows of r = p..p+W-1 (those inside this chunk)
-    b_ws = tl.zeros([BT], dtype=tl.float32)
-    for d in tl.static_range(WIN):
-        b_ws += tl.load(wE + (bos + o_t + d) * HV + i_hv, mask=(o_s + d < BT) & (o_t + d < T), other=0)
-    b_dx += b_ws[:, None] * b_xl.to(tl.float32)
-    _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE, True,
-              shk + r_sh[:, None] * K + o_k[None, :], m_sh)
-    if WIN > 1:
-        b_PMpt = tl.load(pmp + ((bos + o_t) * HV + i_hv)[None, :] * 16 + o_j[:, None], mask=m_t[None, :], other=0)
-        b_dxp = tl.dot(b_PMpt.to(dt), b_q) + b_mpC[:, None] * b_dxSp
-        b_wsp = tl.zeros([16], dtype=tl.float32)
-        for d in tl.static_range(WIN):
-            r = o_p + d
-            b_wsp += tl.load(wE + (bos + r) * HV + i_hv, mask=(r >= t0) & (r < T), other=0)
-        b_dxp += b_wsp[:, None] * b_xpl.to(tl.float32)
-        m_pk = (o_k < K)[None, :]
-        tl.store(shk + r_shp[:, None] * K + o_k[None, :], b_dxp, mask=(m_p & (o_p >= 0))[:, None] & m_pk)
-        if USE_INITIAL_STATE:
-            tl.store(dtail_x + ((i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p)[:, None] * K + o_k[None, :], b_dxp,
-                     mask=(m_p & (o_p < 0))[:, None] & m_pk)
-
-
-@triton.jit
-def _bwd_win_shared(shk, shv, dk, dv, cu_seqlens, chunk_indices, chunk_offsets, T,
-                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                    BVF: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """falcon3a: dk and dv of each chunk's last W - 1 pairs when the sequence goes on, the sum of the two
-    programs' partial sums (_bwd_win_dk: this chunk's slot 0 and the next chunk's slot 1), in a fixed order."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_j = tl.arange(0, 8)
-    p = i_t * BT + BT - (WIN - 1) + o_j                        # the shared pairs
-    m_j = (o_j < WIN - 1) & ((i_t * BT + BT + o_j * 0) < T)    # ... if a next chunk exists
-    r_own = ((boh + i_t) * HV + i_hv) * 16 + o_j
-    r_nxt = ((boh + i_t + 1) * HV + i_hv) * 16 + 8 + o_j
-    o_k = tl.arange(0, BK)
-    m_jk = m_j[:, None] & (o_k < K)[None, :]
-    b_dk = (tl.load(shk + r_own[:, None] * K + o_k[None, :], mask=m_jk, other=0)
-            + tl.load(shk + r_nxt[:, None] * K + o_k[None, :], mask=m_jk, other=0))
-    tl.store(dk + ((bos + p - SHIFT) * HV + i_hv)[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_jk)
-    o_v = tl.arange(0, BVF)
-    m_jv = m_j[:, None] & (o_v < V)[None, :]
-    b_dv = (tl.load(shv + r_own[:, None] * V + o_v[None, :], mask=m_jv, other=0)
-            + tl.load(shv + r_nxt[:, None] * V + o_v[None, :], mask=m_jv, other=0))
-    tl.store(dv + ((bos + p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_jv)
+            if i_t == 0:
+                o_p = tl.arange(0, 8) - 8
+                m_p = o_p >= -(WIN - 1)
+                r_tail = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p
+                b_dxp, valid_p = _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx,
+                                                 fv, dtail_v, r_tail * V, scale, i_n, i_h, i_hv, bos, T, o_p, m_p, 8,
+                                                 H, HV, K, V, BK, BV, WIN, SHIFT, HAS_FINAL, USE_INITIAL_STATE)
+                o_k = tl.arange(0, BK)
+                tl.store(dtail_x + r_tail[:, None] * K + o_k[None, :], b_dxp, mask=m_p[:, None] & (o_k < K)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1714,9 +1730,19 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         W = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
         U = torch.empty_like(v)
         vn = torch.empty_like(v)
+    # falcon3a: the per-step log-decay, window energy and 1 / B (for _win_weights and the backward)
+    aux = tuple(torch.empty(B, T, HV, device=dev, dtype=torch.float32) for _ in range(3)) if win else (None,) * 3
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, None, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
-        PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
+        k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, cu_seqlens, ci, co, eps, eps_gamma, T,
+        PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False,
+        WIN_AUX=bool(win), **common)
+    wm, eta_gla = None, eta
+    if win:
+        # the band's weights Mb and the delayed GLA rows' mt, which the GLA kernels read as their eta
+        wm = torch.empty(B, T, HV, 8, device=dev, dtype=torch.float32)
+        eta_gla = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
+        _win_weights[(NT, B * HV)](eta, aux[0], wm, eta_gla, cu_seqlens, ci, co, T, HV=HV, BT=BT, WIN=win,
+                                   IS_VARLEN=cu_seqlens is not None)
     if delta:
         common_s = {key: val for key, val in common.items() if key not in ('V', 'BV')}
         _wy_solve[(NT, B * HV)](k, last_k, count, G, eta, A, cu_seqlens, ci, co, T, **common_s)
@@ -1726,7 +1752,7 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
     _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, S0, ht, vn, cu_seqlens, co, T,
+        k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
     if per_col:
         o, o32 = _col_outputs(v)
@@ -1734,13 +1760,11 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
             q, k, v, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
         return o, ht, (G, eta, o32, None, None, h)
     o = torch.empty_like(v)
-    # falcon3a builds its window weights M (W exps of a [BT, BT] tile) once per value block: one block of
-    # 128 columns for V >= 128 with 2-byte inputs halves that (no register spills at W <= 4, K = 128;
-    # fp32 inputs spill there: aot_check)
-    BVo = 128 if win and V >= 128 and q.element_size() <= 2 else BV
-    _fwd_o[(triton.cdiv(V, BVo), NT, B * HV)](
-        q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, o, scale, cu_seqlens, ci, co, T,
-        DELTA=delta, WIN=win, **dict(common, BV=BVo))
+    _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, v, last_k, count, tail_x, tail_v, G, eta_gla, vn, h, wm, o, scale, cu_seqlens, ci, co, T,
+        DELTA=delta, WIN=win, **common)
+    if win:
+        return o, ht, (G, eta, *aux, wm, eta_gla, h)
     return o, ht, (G, eta, A, W, vn, h)
 
 
@@ -1762,7 +1786,6 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         from fla_falcon.ops.falcon.chunk_col import chunk_bwd_falcon2
         return chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma,
                                  lam_coupled, shift, cu_seqlens, chunk_size) + (None, None)
-    G, eta, A, W, vn, h = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -1773,12 +1796,16 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     f32 = dict(device=dev, dtype=torch.float32)
     do = do.contiguous()
     if win:
-        du = torch.empty(0, **f32)   # falcon3a computes its dv in _bwd_win_dqv; _bwd_dhu does not read du
-    else:
-        du = torch.empty(B, T, HV, V, **f32)
-        dv_local = _bwd_dv_local_col if per_col else _bwd_dv_local
-        dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+        return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
+                              eps_gamma, lam_coupled, win, cu_seqlens, m, common)
+    G, eta, A, W, vn, h = saved
+    du = torch.empty(B, T, HV, V, **f32)
+    if per_col:
+        _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
+    else:
+        _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+            q, k, last_k, count, None, G, do, du, scale, cu_seqlens, ci, co, T, WIN=0, **common)
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -1796,30 +1823,6 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
-    if win:
-        # the last W - 1 pairs of each chunk get gradient from two programs (fp32 partial sums in shk/shv, added
-        # by _bwd_win_shared), those of a carried tail from the first chunk
-        dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init else None
-        dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init else None
-        # fp32 inputs double the kernel's shared-memory dot operands: at BV = 64 it needs 236 KB at K = V = 64,
-        # over Hopper's 227 KB (OutOfResources at launch; scripts/aot_check.py): narrower value blocks there
-        win_common = dict(common, BV=min(common["BV"], 32 if q.element_size() > 2 else 64))
-        pm = torch.empty(B, T, HV, BT, **f32)
-        pmp = torch.empty(B, T, HV, 16, **f32)
-        wE = torch.empty(B, T, HV, **f32)
-        _bwd_win_dqv[(NT, B * HV)](
-            q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, h, dh, do, dq, pm, pmp, wE, dbeta, dlam,
-            scale, eps, eps_gamma, cu_seqlens, ci, co, T, WIN=win, **gates, **win_common)
-        shk = torch.empty(m['NTH'], HV, 2, 8, K, **f32)
-        shv = torch.empty(m['NTH'], HV, 2, 8, V, **f32)
-        _bwd_win_dk[(NT, B * HV)](
-            q, k, v, last_k, count, tail_x, tail_v, G, eta, dh, do, pm, pmp, wE, dk, dv, shk, shv, dlast_k, dtail_x,
-            dtail_v, scale, cu_seqlens, ci, co, T, WIN=win, **win_common)
-        if win > 1:
-            _bwd_win_shared[(NT, B * HV)](
-                shk, shv, dk, dv, cu_seqlens, ci, co, T, HV=HV, K=K, V=V, BT=BT, BK=BK,
-                BVF=max(triton.next_power_of_2(V), 16), WIN=win, SHIFT=int(shift), IS_VARLEN=cu_seqlens is not None)
-        return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
     if per_col:
         o32 = A
         _bwd_col_grads(q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
@@ -1833,14 +1836,69 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # thread before; aot_check, sm_90)
     ds_buf = None if delta else torch.empty(B, T, HV, BT, **f32)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-        dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=delta, **gates,
+        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
+        dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=delta, WIN=0, **gates,
         **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
             k, v, beta, lam, last_k, count, G, eta, A, torch.empty_like(A), dx, dG, dw, du, dv, dk, dlast_k,
             dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
+
+
+def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
+                   lam_coupled, win, cu, m, common):
+    """falcon3a's backward: falcon1a's kernels on the delayed GLA rows (fp32 dq, dx', dv', dmt, dG), then the band's
+    and the gates' kernels (see the falcon3a backward section)."""
+    G, c, gl, Ew, rBw, wm, mt, h = saved
+    B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    f32 = dict(device=q.device, dtype=torch.float32)
+    use_init = S0 is not None
+    du = torch.empty(B, T, HV, V, **f32)
+    _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+        q, k, last_k, count, tail_x, G, do, du, scale, cu, ci, co, T, WIN=win, **common)
+    dh = torch.empty_like(h)
+    dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, False)
+    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
+        q, k, last_k, count, G, None, do, du, dh, dht, dh0, scale, cu, co, T,
+        DELTA=False, PER_COL=False, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
+    # the GLA's gradients, in fp32 for the band kernels: dq, dx' and dv' (rows of the delayed form), dmt, dG
+    dq32, dx32 = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
+    dv32 = torch.empty(B, T, HV, V, **f32)
+    dG, dmt = torch.empty(B, T, HV, **f32), torch.empty(B, T, HV, **f32)
+    _bwd_dqx[(NT, B * HV)](
+        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq32, dx32, dG, dmt, dv32,
+        None, None, None, None, torch.empty(B, T, HV, BT, **f32), scale, eps, eps_gamma, cu, ci, co, T, DELTA=False,
+        WIN=win, **gates, **dict(common, BV=min(BV, 32)))
+    has_final = dht is not None and win > 1
+    fx = fv = fm = None
+    if has_final:
+        fx, fv, fm = torch.empty(N, HV, 16, K, **f32), torch.empty(N, HV, 16, V, **f32), torch.empty(N, HV, 16, **f32)
+        _win_bwd_final[(N * HV,)](k, v, last_k, count, tail_x, tail_v, wm, dht, fx, fv, fm, cu, co, T, WIN=win,
+                                  **common)
+    kdt = q.dtype if HV == H else torch.float32
+    dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
+    yz = torch.empty(B, T, HV, 16, **f32)
+    _win_bwd_rows[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, c, gl, wm, do, dq32, dmt, fm, dq, yz, scale,
+                                cu, ci, co, T, WIN=win, HAS_FINAL=has_final, **common)
+    dbeta = torch.empty(beta.shape, **f32)
+    dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
+    wE = torch.empty(B, T, HV, **f32)
+    _win_bwd_gates[(NT, B * HV)](beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma, cu, ci, co, T, HV=HV,
+                                 BT=BT, WIN=win, IS_VARLEN=common['IS_VARLEN'], **gates)
+    dk = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
+    dv = torch.empty_like(v)
+    dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
+    dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init and win > 1 else None
+    dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init and win > 1 else None
+    _win_bwd_pairs[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dk, dv,
+                                 dlast_k, dtail_x, dtail_v, scale, cu, ci, co, T, WIN=win, HAS_FINAL=has_final,
+                                 **common)
+    return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
 def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,

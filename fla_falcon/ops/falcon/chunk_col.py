@@ -273,7 +273,7 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     G = torch.empty(B, T, HV, V, **f32)
     eta = torch.empty_like(G)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, None, G, eta, cu_seqlens, ci, co, eps, eps_gamma, T,
+        k, v, beta, lam, last_k, count, None, None, G, eta, None, None, None, cu_seqlens, ci, co, eps, eps_gamma, T,
         PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
     BS = min(SUB, m['BT'])
     M = torch.empty(B, T, m['H'], BS, **f32)

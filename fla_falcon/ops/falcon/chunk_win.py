@@ -280,7 +280,8 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     G = torch.empty(B, T, HV, **f32)
     c = torch.empty(B, T, HV, **f32)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, E, G, c, cu_seqlens, ci, co, eps, eps_gamma, T, H=H, HV=HV, K=K, V=V,
+        k, v, beta, lam, last_k, count, tail_x, E, G, c, None, None, None, cu_seqlens, ci, co, eps, eps_gamma, T,
+        H=H, HV=HV, K=K, V=V,
         BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
     NV = m['NTH'] * VR
@@ -573,8 +574,7 @@ def _bwd_pairs3(dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, chunk_i
                         other=0)
         b_dy += tl.load(dYr + (r * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_r[:, None] & (o_v < V)[None, :],
                         other=0)
-    _store_dk(b_dx, m_p, dk, dlast_k, i_n, i_t, i_hv, bos, o_p, m_p, T, HV, K, BK, SHIFT, USE_INITIAL_STATE, False,
-              dk, m_p)
+    _store_dk(b_dx, m_p, dk, dlast_k, i_n, i_t, i_hv, bos, o_p, m_p, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
     tl.store(dv + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dy.to(dv.dtype.element_ty),
              mask=m_p[:, None] & (o_v < V)[None, :])
     if USE_INITIAL_STATE:
