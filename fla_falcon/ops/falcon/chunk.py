@@ -1799,20 +1799,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
                               eps_gamma, lam_coupled, win, cu_seqlens, m, common)
     G, eta, A, W, vn, h = saved
-    du = torch.empty(B, T, HV, V, **f32)
-    if per_col:
-        _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
-    else:
-        _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, last_k, count, None, G, do, du, scale, cu_seqlens, ci, co, T, WIN=0, **common)
-    dh = torch.empty_like(h)
-    dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
-    common_h = {key: val for key, val in common.items() if key != 'BV'}
-    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
-    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
-        DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
+                               per_col, 0)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
@@ -1846,6 +1834,29 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
+def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win):
+    """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
+    the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0)."""
+    B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    f32 = dict(device=q.device, dtype=torch.float32)
+    du = torch.empty(B, T, HV, V, **f32)
+    if per_col:
+        _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
+            q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
+    else:
+        _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+            q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ci, co, T, WIN=win, **common)
+    dh = torch.empty_like(h)
+    dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
+    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
+        q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
+        DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    return du, dh, dh0
+
+
 def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
                    lam_coupled, win, cu, m, common):
     """falcon3a's backward: falcon1a's kernels on the delayed GLA rows (fp32 dq, dx', dv', dmt, dG), then the band's
@@ -1855,16 +1866,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
-    du = torch.empty(B, T, HV, V, **f32)
-    _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, last_k, count, tail_x, G, do, du, scale, cu, ci, co, T, WIN=win, **common)
-    dh = torch.empty_like(h)
-    dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
-    common_h = {key: val for key, val in common.items() if key != 'BV'}
-    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, False)
-    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        q, k, last_k, count, G, None, do, du, dh, dht, dh0, scale, cu, co, T,
-        DELTA=False, PER_COL=False, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
+                               win)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     # the GLA's gradients, in fp32 for the band kernels: dq, dx' and dv' (rows of the delayed form), dmt, dG
     dq32, dx32 = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
