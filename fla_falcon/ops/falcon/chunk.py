@@ -438,29 +438,37 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
 
 
 @triton.jit
+def _win_ce(c, gl, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_d, BT: tl.constexpr, WIN: tl.constexpr):
+    """[BT, 8] tiles of c_{t-d} and e[t, d] = exp(g_{t-d+1} + ... + g_t) for d < W (c = 0, e = 1 beyond, and c = 0
+    before the sequence): the running sum of at most W - 1 log-decays (<= 0), across chunk boundaries."""
+    b_lg = tl.zeros([BT], dtype=tl.float32)
+    b_c = tl.zeros([BT, 8], dtype=tl.float32)
+    b_e = tl.zeros([BT, 8], dtype=tl.float32) + 1.
+    for d in tl.static_range(WIN):
+        r = o_t - d
+        m_r = m_t & (r >= 0)
+        if d > 0:
+            b_lg += tl.load(gl + (bos + r + 1) * HV + i_hv, mask=m_r, other=0)
+        b_c = tl.where(o_d[None, :] == d, tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)[:, None], b_c)
+        b_e = tl.where(o_d[None, :] == d, tl.exp(b_lg)[:, None], b_e)
+    return b_c, b_e
+
+
+@triton.jit
 def _win_weights(c, gl, wm, mt, cu_seqlens, chunk_indices, chunk_offsets, T,
                  HV: tl.constexpr, BT: tl.constexpr, WIN: tl.constexpr, IS_VARLEN: tl.constexpr):
     """falcon3a's weights per step t: wm[t, d] = sum_{j <= d} c_{t-j} exp(g_{t-j+1} + ... + g_t) for d < W (the band's
-    Mb[t, d] for d < W - 1), and mt_t = wm[t, W - 1] (the delayed GLA row's value weight). The exponent is a running
-    sum of at most W - 1 log-decays (<= 0), across chunk boundaries."""
+    Mb[t, d] for d < W - 1), and mt_t = wm[t, W - 1] (the delayed GLA row's value weight); see _win_ce."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_d = tl.arange(0, 8)
-    b_lg = tl.zeros([BT], dtype=tl.float32)
-    b_acc = tl.zeros([BT], dtype=tl.float32)
-    b_w = tl.zeros([BT, 8], dtype=tl.float32)
-    for d in tl.static_range(WIN):
-        r = o_t - d
-        m_r = m_t & (r >= 0)
-        if d > 0:
-            b_lg += tl.load(gl + (bos + r + 1) * HV + i_hv, mask=m_r, other=0)
-        b_acc += tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0) * tl.exp(b_lg)
-        b_w = tl.where(o_d[None, :] == d, b_acc[:, None], b_w)
+    b_c, b_e = _win_ce(c, gl, bos, i_hv, HV, o_t, m_t, o_d, BT, WIN)
+    b_w = tl.cumsum(b_c * b_e, 1)    # slots d >= W hold mt too (c = 0 there)
     tl.store(wm + ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :], b_w, mask=m_t[:, None])
-    tl.store(mt + (bos + o_t) * HV + i_hv, b_acc, mask=m_t)
+    tl.store(mt + (bos + o_t) * HV + i_hv, tl.sum(b_c * b_e, 1), mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1516,18 +1524,9 @@ def _win_bwd_rows(q, k, v, last_k, count, tail_x, tail_v, c, gl, wm, do, dq32, d
     # w[t, d] = dmt_t + sum_{d' >= d} dMb[t, d']
     b_wt = tl.load(dmt + (bos + o_t) * HV + i_hv, mask=m_t, other=0)[:, None] + (
         tl.sum(b_dM, 1)[:, None] - tl.cumsum(b_dM, 1) + b_dM)
-    b_lg = tl.zeros([BT], dtype=tl.float32)
-    b_y = tl.zeros([BT, 8], dtype=tl.float32)
-    b_z = tl.zeros([BT, 8], dtype=tl.float32)
-    for d in tl.static_range(WIN):
-        r = o_t - d
-        m_r = m_t & (r >= 0)
-        if d > 0:
-            b_lg += tl.load(gl + (bos + r + 1) * HV + i_hv, mask=m_r, other=0)
-        b_cd = tl.load(c + (bos + r) * HV + i_hv, mask=m_r, other=0)
-        b_yd = _col(b_wt, o_d, d) * tl.exp(b_lg)
-        b_y = tl.where(o_d[None, :] == d, b_yd[:, None], b_y)
-        b_z = tl.where(o_d[None, :] == d, (b_yd * b_cd)[:, None], b_z)
+    b_c, b_e = _win_ce(c, gl, bos, i_hv, HV, o_t, m_t, o_d, BT, WIN)
+    b_y = tl.where(o_d[None, :] < WIN, b_wt * b_e, 0.)
+    b_z = b_y * b_c
     p_yz = ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_d[None, :]
     tl.store(yz + p_yz, b_y, mask=m_t[:, None])
     tl.store(yz + p_yz + 8, tl.sum(b_z, 1)[:, None] - tl.cumsum(b_z, 1) + b_z, mask=m_t[:, None])
