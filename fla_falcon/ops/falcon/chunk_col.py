@@ -127,9 +127,9 @@ def _block_rows(k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, c0, T, o_b
 # The sequential kernels' time is the latency of their row-by-row substitution (T / BS blocks of BS dependent steps,
 # each with reductions across the [BS, BV] tile), not arithmetic: narrow value blocks on few warps step faster and
 # give more programs. At (4, 4096, 16, 128, 128) bf16 on the H200 (tenth lease's autotuning) _fwd_h_delta_col took
-# 3.23 / 4.35 ms with BV = 64 on 4 / 8 warps and 2.43 / 4.88 ms with BV = 32; columns are independent, so 16 works too
-CONFIGS_COL_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv, w in ((64, 4), (32, 4), (32, 2),
-                                                                                   (16, 2), (16, 1))]
+# 3.23 / 4.35 ms with BV = 64 on 4 / 8 warps and 2.43 / 4.88 ms with BV = 32; columns are independent, so 16 works too.
+# (BV = 32 on 2 warps spills 0.3-3.7 KB per thread, aot_check sm_90; BV = 16 on 2 warps at most 232 B.)
+CONFIGS_COL_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv, w in ((64, 4), (32, 4), (16, 2), (16, 1))]
 
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
