@@ -80,8 +80,11 @@ CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in
 # also halves their autotuning (compile) time
 CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # the sequential state kernels run one program per (value block, sequence, head): narrower value
-# blocks give more programs when there are few sequences
-CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv in (64, 32) for w in (4, 8)]
+# blocks give more programs when there are few sequences. num_stages 3 prefetches the next chunk's tiles while the
+# state is updated: fla's gated-delta chunk_fwd_h went from 0.165 to 0.112 ms with it at (4, 4096, 16, 128, 128)
+# (BV = 64, 4 warps; its autotuning on the H200), where ours ran with 2 stages only
+CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=s) for s in (2, 3) for bv in (64, 32) for w in (4, 8)]
+CONFIGS_H2 = [c for c in CONFIGS_H if c.num_stages == 2]   # falcon3's _bwd_dhu3: 3 stages need 234 KB at BV = 64
 # the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block (one
 # program per block, BV = COL_BV fixed: each block writes its own slot of per-row sums); the [BT, K] accumulators
 # of the state paths are _bwd_col_dqk's. One kernel with both spilled 280-1080 B per thread at BV = 32-64 (ptxas,

@@ -35,6 +35,7 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     CONFIGS_8W,
     CONFIGS_H,
+    CONFIGS_H2,
     _load_win_v,
     _load_win_x,
     _meta,
@@ -355,7 +356,7 @@ def _bwd_dv_local3(q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ch
     tl.store(du + ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :], b_du, mask=m_v[None, :])
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'], restore_value=['du'])
+@triton.autotune(configs=CONFIGS_H2, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'], restore_value=['du'])
 @triton.jit
 def _bwd_dhu3(q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
