@@ -151,6 +151,40 @@ def test_state_key_blocks(rule, device):
     check(run_both(rule, *inputs, torch.float32, cu_seqlens=cu, chunk_size=16, window=win(rule)), torch.float32)
 
 
+def _state_kernel_configs():
+    """(rule, sequential state kernels, config) for every value-block width of their autotune lists: on a GPU the
+    tests run whichever config the autotuner picks for their shape, so the others are checked here, one at a time."""
+    import fla_falcon.ops.falcon.chunk as ch
+    import fla_falcon.ops.falcon.chunk_col as col
+    cases = []
+    for rule, kernels, configs in (('falcon1', 'fwd_h bwd_dhu', ch.CONFIGS_H),
+                                   ('falcon3a', 'fwd_h bwd_dhu', ch.CONFIGS_H),
+                                   ('falcon2', 'fwd_h_delta_col bwd_dhu_delta_col', col.CONFIGS_COL_H)):
+        seen = set()
+        for cfg in configs:
+            # the interpreter runs every config the same but for its block sizes
+            tag = (cfg.kwargs['BV'], cfg.num_warps, cfg.num_stages) if DEVICE == 'cuda' else cfg.kwargs['BV']
+            if tag not in seen:
+                seen.add(tag)
+                cases.append(pytest.param(rule, kernels, cfg, id=f"{rule}-{tag}"))
+    return cases
+
+
+@pytest.mark.parametrize('rule, kernels, cfg', _state_kernel_configs())
+def test_state_kernel_configs(rule, kernels, cfg, device, monkeypatch):
+    # V = 40: one, two or three value blocks (the last one partial) at BV = 64, 32, 16
+    import fla_falcon.ops.falcon.chunk as ch
+    import fla_falcon.ops.falcon.chunk_col as col
+    patched = [getattr(ch if hasattr(ch, '_' + name) else col, '_' + name) for name in kernels.split()]
+    for kernel in patched:
+        monkeypatch.setattr(kernel, 'configs', [cfg])
+        monkeypatch.setattr(kernel, 'best_config', None, raising=False)
+    w = win(rule)
+    inputs = make_inputs(rule, 1, 40, 1, 2, 16, 40, 'on', True, device, seed=5, window=w)
+    check(run_both(rule, *inputs, torch.float32, chunk_size=16, window=w), torch.float32)
+    assert all(kernel.best_config is cfg for kernel in patched)   # the config under test is the one that ran
+
+
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_zero_keys(rule, device):
     # x = 0 rows: with eps = 0 and no ridge the denominator is 0 and eta := 0 (no write, no decay)
