@@ -700,7 +700,6 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             b_wp = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
             b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_h += tl.dot(tl.trans(b_xp), (b_vp * b_wp[:, None]).to(k.dtype.element_ty))
-    if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
