@@ -51,12 +51,14 @@ and ``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv
 The sequential kernels solve a chunk in blocks of 16 rows. A block's rows see the earlier blocks through
 the state at the end of the previous block, ``S_ref``: ``p_t = exp(Gx_t - G_ref) x_t . S_ref + (the
 block's own rows)``, a tensor-core product, and the state advances block by block. Only the block's own
-rows need the row-by-row substitution, on [16, BV] register tiles with the block's Gram and G loaded once.
-The decayed history tile is rescaled by ``exp(G_i - G_{i-1}) <= 1`` per step (a product of per-step
-factors, each <= 1, instead of 16 x BV exps per step). The backward runs the blocks in reverse with the
-gradient of the state at each block's end. (The first version substituted all 64 rows of a chunk on
-[64, BV] tiles, reading a Gram row and a G row from memory at each step: 4.1 and 3.8 ms of falcon2's
-11.5 ms at (4, 4096, 16, 128, 128) on an H200.)
+rows need the row-by-row substitution, on [16, BV] register tiles. Each step loads its Gram column and its
+per-column factor ``exp(G_i - G_{i-1}) <= 1`` (the decayed history tile is rescaled by it: a product of per-step
+factors, each <= 1, instead of 16 x BV exps per step) straight from memory, off the chain of dependent steps: taking
+them out of register tiles cost cross-thread reductions and layout conversions on every step. The backward runs the
+blocks in reverse with the gradient of the state at each block's end. (The first version substituted all 64 rows of
+a chunk on [64, BV] tiles, reading a Gram row and a G row from memory at each step: 4.1 and 3.8 ms of falcon2's
+11.5 ms at (4, 4096, 16, 128, 128) on an H200; the 16-row blocks with the coefficients taken out of register tiles:
+1.8 and 2.5 ms.)
 """
 
 from __future__ import annotations
@@ -100,34 +102,49 @@ def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
 
 
 @triton.jit
-def _block_rows(k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, c0, T, o_b, o_v, m_v,
+def _block_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, c0, T, o_b, o_v, m_v,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BS: tl.constexpr,
                 BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """One BS-row block of a chunk starting at row r0 (the chunk at c0): its keys x, the tile offsets and mask,
-    its Gram block, G, Gx (G of the row before, 0 before the chunk), eta, the factors exp(G_t - G_{t-1}) <= 1
-    (1 on rows past the end), G of the block's last row and of the row before the block (0 for the first)."""
+    G, Gx (G of the row before, 0 before the chunk), eta, G of the block's last row and of the row before the block
+    (0 for the first)."""
     o_t = r0 + o_b
     m_t = o_t < T
     b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_M = tl.load(M + ((bos + o_t) * H + i_h)[:, None] * BS + o_b[None, :], mask=m_t[:, None], other=0)
     b_G = tl.load(G + p_tv, mask=m_tv, other=0)
     b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_t > c0)[:, None], other=0)
     b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
-    # min(., 0): rows past the end read G = 0 and must not grow the decayed history
-    b_F = tl.exp(tl.minimum(b_G - b_Gx, 0.))
     last = min(r0 + BS, T) - 1
     b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
     b_Gr = tl.load(G + ((bos + r0 - 1) * HV + i_hv) * V + o_v, mask=m_v & ((r0 + o_v * 0) > c0),
                    other=0)
-    return b_x, m_tv, p_tv, b_M, b_G, b_Gx, b_eta, b_F, b_Gl, b_Gr
+    return b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr
+
+
+@triton.jit
+def _step_coefs(M, G, bos, r0, c0, i, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constexpr, HV: tl.constexpr,
+                V: tl.constexpr, BS: tl.constexpr):
+    """Row i of a block's substitution: its Gram coefficients (the Gram block is symmetric: column i, a [BS] vector
+    over the block's rows) and exp(G_i - G_{i-1}) <= 1 per column (1 on rows past the end). Loaded from memory in the
+    layouts the step uses: extracting them from register tiles took cross-thread reductions and layout conversions
+    (shared-memory round trips and barriers) on every step of the sequential chain."""
+    b_mi = tl.load(M + ((bos + r0 + o_b) * H + i_h) * BS + i, mask=(r0 + o_b) < T, other=0)
+    r_i = r0 + i + o_v * 0
+    p_i = ((bos + r0 + i) * HV + i_hv) * V + o_v
+    b_gi = tl.load(G + p_i, mask=m_v & (r_i < T), other=0)
+    b_gp = tl.load(G + p_i - HV * V, mask=m_v & (r_i < T) & (r_i > c0), other=0)
+    # min(., 0): rows past the end read G = 0 and must not grow the decayed history
+    return b_mi, tl.exp(tl.minimum(b_gi - b_gp, 0.))
 
 
 # The sequential kernels' time is the latency of their row-by-row substitution (T / BS blocks of BS dependent steps,
-# each with reductions across the [BS, BV] tile), not arithmetic: narrow value blocks on few warps step faster and
+# each with a reduction across the [BS, BV] tile), not arithmetic: narrow value blocks on few warps step faster and
 # give more programs. At (4, 4096, 16, 128, 128) bf16 on the H200 (tenth lease's autotuning) _fwd_h_delta_col took
 # 3.23 / 4.35 ms with BV = 64 on 4 / 8 warps and 2.43 / 4.88 ms with BV = 32; columns are independent, so 16 works too.
+# With the step coefficients loaded from memory (_step_coefs; eleventh lease, GPU shared with other jobs, so only
+# the ratios count) BV = 32 on 4 warps was the fastest: 2.4x the old kernel's time at that config, 1.3x its best.
 # (BV = 32 on 2 warps spills 0.3-3.7 KB per thread, aot_check sm_90; BV = 16 on 2 warps at most 232 B.)
 CONFIGS_COL_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv, w in ((64, 4), (32, 4), (16, 2), (16, 1))]
 
@@ -164,25 +181,25 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
         for i_s in tl.static_range(BT // BS):
             r0 = i_t * BT + i_s * BS
             if r0 < T:
-                b_x, m_tv, p_tv, b_M, b_G, b_Gx, b_eta, b_F, b_Gl, b_Gr = _block_rows(
-                    k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
+                    k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
                 b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
-                # prediction from the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
+                # the residual against the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
                 # (min: rows past the end read G = 0)
-                b_p = tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
+                b_y = b_v - tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
                 # forward substitution, every column at once: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i,
-                # zero below), rescaled by exp(G_i - G_{i-1}) per step; row i adds the block's history
-                # sum_j (x_i.x_j) b_w[j] to its prediction, then u_i = eta_i (v_i - p_i). The Gram block is
-                # symmetric, so its column i (a reduction along the rows' axis) is row i's coefficients.
+                # zero below), rescaled by exp(G_i - G_{i-1}) per step; row i's residual is y_i minus the block's
+                # history sum_j (x_i.x_j) b_w[j], and u_i = eta_i r_i
+                b_r = b_y
                 b_w = tl.zeros([BS, BV], dtype=tl.float32)
                 for i in range(BS):
                     m_i = (o_b == i)[:, None]
-                    b_mi = tl.sum(tl.where((o_b == i)[None, :], b_M, 0.), 1)
-                    b_fi = tl.sum(tl.where(m_i, b_F, 0.), 0)
-                    b_p = tl.where(m_i, b_p + tl.sum(b_mi[:, None] * b_w, 0)[None, :], b_p)
-                    b_w = tl.where(m_i, b_eta * (b_v - b_p), b_w * b_fi[None, :])
-                tl.store(r + p_tv, b_v - b_p, mask=m_tv)
+                    b_mi, b_fi = _step_coefs(M, G, bos, r0, i_t * BT, i, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
+                    b_ri = b_y - tl.sum(b_mi[:, None] * b_w, 0)[None, :]
+                    b_r = tl.where(m_i, b_ri, b_r)
+                    b_w = tl.where(m_i, b_eta * b_ri, b_w * b_fi[None, :])
+                tl.store(r + p_tv, b_r, mask=m_tv)
                 # now b_w[j] = exp(G_last - G_j) u_j: the block's write into the state
                 b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
     if STORE_FINAL_STATE:
@@ -225,8 +242,8 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
             i_s = BT // BS - 1 - i_sr
             r0 = i_t * BT + i_s * BS
             if r0 < T:
-                b_x, m_tv, p_tv, b_M, b_G, b_Gx, b_eta, b_F, b_Gl, b_Gr = _block_rows(
-                    k, last_k, count, M, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
+                    k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
                 b_q = tl.load(q + ((bos + r0 + o_b) * H + i_h)[:, None] * K + o_k[None, :],
                               mask=((r0 + o_b) < T)[:, None] & (o_k < K)[None, :], other=0)
@@ -243,8 +260,7 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
                 for jj in range(BS):
                     j = BS - 1 - jj
                     m_j = (o_b == j)[:, None]
-                    b_mj = tl.sum(tl.where((o_b == j)[None, :], b_M, 0.), 1)
-                    b_fj = tl.sum(tl.where(m_j, b_F, 0.), 0)
+                    b_mj, b_fj = _step_coefs(M, G, bos, r0, i_t * BT, j, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
                     b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
                     b_z = tl.where(m_j, b_eta * b_dr, b_z * b_fj[None, :])
                 tl.store(dr + p_tv, b_dr, mask=m_tv)
