@@ -1817,9 +1817,10 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         _bwd_col_grads(q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
                        dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
-    dx = torch.empty(B, T, HV, K, **f32) if delta else None
+    # falcon1's dx and dW pass from _bwd_dqx to _bwd_gates in the inputs' dtype (fla's dw is bf16 too): half the traffic
+    dx = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if delta else None
     dG = torch.empty(B, T, HV, **f32) if delta else None
-    dw = torch.empty(B, T, HV, K, **f32) if delta else None
+    dw = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if delta else None
     # falcon1a: the transposed intra-chunk product through a scratch buffer, and 32-wide value blocks (its value
     # loop also forms the state path of dU): no register spills at K = V = 128 (255 regs and ~260 B of stack per
     # thread before; aot_check, sm_90)
@@ -1841,7 +1842,9 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
     B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
-    du = torch.empty(B, T, HV, V, **f32)
+    # dU in the inputs' dtype, as fla's chunk_bwd_dv_local: it is read by two or three kernels, so with bf16 inputs an
+    # fp32 buffer doubled its memory traffic (it is formed and summed in fp32 inside each kernel)
+    du = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
     if per_col:
         _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
