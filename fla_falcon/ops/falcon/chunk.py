@@ -43,8 +43,9 @@ Swapping the sums, pair p enters ``S_t`` (t >= p) with the weight
 ``x'_tau = x_{tau-W+1}``, ``u'_tau = mt_tau v_{tau-W+1}``, whose state ``S'`` the chunk kernels carry (same gates, same
 kernels, the loads shifted by W - 1 rows). The pairs whose window has not ended add a band of W - 1 terms:
 ``S_t = S'_t + sum_{d < W-1} Mb[t, d] x_{t-d} v_{t-d}^T`` with ``Mb[t, d] = sum_{j <= d} c_{t-j} exp(g_{t-j+1} + ... +
-g_t)`` (``_win_weights`` stores Mb and mt; every exponent <= 0): ``_fwd_o`` adds the band to the outputs, ``_fwd_h``
-to the final state. The segment's initial state is S'_{-1} (the old steps' weights are in it already).
+g_t)`` (``_win_weights`` stores Mb and mt; every exponent <= 0). ``_fwd_o`` puts the band into the GLA's score product
+(mt moves from the values onto the scores; the pairs of the band whose delayed rows lie past the chunk take one more
+[BT, 16] block), ``_fwd_h`` adds it to the final state. The segment's initial state is S'_{-1} (the old steps' weights are in it already).
 Backward: falcon1a's kernels for the GLA (``_bwd_dqx`` stores dq, dx', dv' = mt du', dmt and dG in fp32 instead of
 finishing with the gates), then three light per-chunk kernels (the band's cost is O(W (K + V)) per step):
 ``_win_bwd_rows`` (the band's dq; dMb; the weights' gradients to c and g as per-row terms), ``_win_bwd_gates``
@@ -728,28 +729,39 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     m_tv = m_t[:, None] & (o_v < V)[None, :]
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-    if DELTA:
-        b_u = tl.load(vn + p_tv, mask=m_tv, other=0)
-    else:
-        b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-               * b_eta[:, None]).to(q.dtype.element_ty)
     b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp(b_G)[:, None]
     b_s = tl.dot(b_q, tl.trans(b_x))
     # real rows t only: a padded row reads G = 0 and exp(0 - G_s) overflows once G_s < -88 (0 * inf)
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
-    b_s = tl.where(m_s, b_s * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
-    b_o += tl.dot(b_s.to(b_q.dtype), b_u.to(b_q.dtype))
-    if WIN > 1:
-        # falcon3a's band: the pairs p = t - d (d < W - 1) whose window has not ended at t, weight Mb[t, d]
-        b_qf = b_q.to(tl.float32)
+    b_a = tl.where(m_s, tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.)
+    if DELTA:
+        b_o += tl.dot((b_s * b_a).to(b_q.dtype), tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype))
+    elif WIN > 1:
+        # falcon3a: the delayed row's weight mt moves from the values onto the scores, so that the band joins the
+        # same product: the pair p = t - d (d < W - 1) of row t has its delayed row tau = t + W - 1 - d, weight Mb[t, d]
+        b_a *= tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)[None, :]
+        # the band's last W - 1 pairs, p = E - W + 1 .. E - 1, have their delayed rows past the chunk (or past the
+        # sequence's end): one more [BT, 16] block of scores
+        E = min(i_t * BT + BT, T)
+        o_j = tl.arange(0, 16)
+        o_p = E - (WIN - 1) + o_j
+        m_p = o_j < WIN - 1
+        b_ae = tl.zeros([BT, 16], dtype=tl.float32)
         for d in tl.static_range(WIN - 1):
-            b_xd, valid_d = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
-                                        USE_INITIAL_STATE)
-            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
-            b_vd = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT,
-                               USE_INITIAL_STATE)
-            b_o += (b_wd * tl.sum(b_qf * b_xd.to(tl.float32), 1))[:, None] * b_vd
+            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None]
+            b_a = tl.where(o_t[None, :] - o_t[:, None] == WIN - 1 - d, b_wd, b_a)
+            b_ae = tl.where(o_t[:, None] - o_p[None, :] == d, b_wd, b_ae)
+        b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_v.to(b_q.dtype))
+        b_xe, valid_e = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_o += tl.dot((tl.dot(b_q, tl.trans(b_xe)) * b_ae).to(b_q.dtype), b_ve.to(b_q.dtype))
+    else:
+        b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+               * b_eta[:, None]).to(q.dtype.element_ty)
+        b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_u)
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
