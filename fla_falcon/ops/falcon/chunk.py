@@ -45,14 +45,16 @@ kernels, the loads shifted by W - 1 rows). The pairs whose window has not ended 
 ``S_t = S'_t + sum_{d < W-1} Mb[t, d] x_{t-d} v_{t-d}^T`` with ``Mb[t, d] = sum_{j <= d} c_{t-j} exp(g_{t-j+1} + ... +
 g_t)`` (``_win_weights`` stores Mb and mt; every exponent <= 0). ``_fwd_o`` puts the band into the GLA's score product
 (mt moves from the values onto the scores; the pairs of the band whose delayed rows lie past the chunk take one more
-[BT, 16] block), ``_fwd_h`` adds it to the final state. The segment's initial state is S'_{-1} (the old steps' weights are in it already).
-Backward: falcon1a's kernels for the GLA (``_bwd_dqx`` stores dq, dx', dv' = mt du', dmt and dG in fp32 instead of
-finishing with the gates), then three light per-chunk kernels (the band's cost is O(W (K + V)) per step):
-``_win_bwd_rows`` (the band's dq; dMb; the weights' gradients to c and g as per-row terms), ``_win_bwd_gates``
-(gathers dc and dg, the gates' chain rule) and ``_win_bwd_pairs`` (dk, dv of each pair: its delayed GLA row, its
-band rows, the window energy; the carried tail's in the first chunk); ``_win_bwd_final`` first forms the final
-state's band terms from dht. The final state's tail is gathered on the host from k, v and the old tail (an indexing:
-autograd handles it).
+[BT, 16] block), ``_fwd_h`` adds it to the final state. The segment's initial state is S'_{-1} (the old steps'
+weights are in it already).
+Backward: falcon1a's kernels for the GLA with the band in the same products (mt applied to the unweighted scores
+do_t.v'_s after the value loop, the band's weights on the diagonals above): ``_bwd_dv_local`` (the band's value
+gradient of each delayed row, from this chunk's rows and the W - 1 before it) and ``_bwd_dqx`` (dq; dx' and dv' in
+fp32; dG of the GLA; dMb and dmt turned into per-row terms of the gates' gradients, yz). ``_win_bwd_final`` handles the
+sequence's last W - 1 pairs, which have no delayed row (their band, and the final state's band from dht),
+``_win_bwd_gates`` gathers dc and dg (the gates' chain rule) and ``_win_bwd_pairs`` writes dk, dv of each pair (its
+delayed row's or the last pairs' gradients, the window energy; the carried tail's in the first chunk). The final
+state's tail is gathered on the host from k, v and the old tail (an indexing: autograd handles it).
 """
 
 from __future__ import annotations
@@ -771,13 +773,13 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dv_local(q, k, last_k, count, tail_x, G, do, du, scale,
+def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   SHIFT: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO (falcon3a: on its
-    delayed GLA rows)."""
+    delayed GLA rows, and the band's value gradient of those rows' pairs into dvb, see below)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -791,14 +793,35 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, do, du, scale,
     b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
                              USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-    b_st = tl.dot(b_x, tl.trans(b_q))           # [s, t]
+    b_sr = tl.dot(b_x, tl.trans(b_q))           # [s, t]
     m_s = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]   # real t only (see _fwd_o)
-    b_st = tl.where(m_s, b_st * tl.exp(tl.where(m_s, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
+    b_st = tl.where(m_s, b_sr * tl.exp(tl.where(m_s, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
     m_tv = m_t[:, None] & (o_v < V)[None, :]
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
     b_do = tl.load(do + p_tv, mask=m_tv, other=0)
     b_du = tl.dot(b_st.to(b_do.dtype), b_do)
     tl.store(du + p_tv, b_du, mask=m_tv)
+    if WIN > 1:
+        # falcon3a's band, seen from the pairs: the pair of delayed row tau is in the band of the rows t = tau - W + 1
+        # .. tau - 1 with weight Mb[t, d], d = t - tau + W - 1, and gets scale Mb[t, d] (q_t.x'_tau) do_t. Those rows
+        # are this chunk's (the scores X' Q^T above) or the W - 1 rows before it (a [BT, 16] block)
+        o_j = tl.arange(0, 16)
+        o_r = i_t * BT - 16 + o_j
+        m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
+                       mask=m_r[:, None] & (o_k < K)[None, :], other=0)
+        b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
+                        mask=m_r[:, None] & (o_v < V)[None, :], other=0)
+        b_bw = tl.zeros([BT, BT], dtype=tl.float32)
+        b_br = tl.zeros([BT, 16], dtype=tl.float32)
+        for d in tl.static_range(WIN - 1):
+            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
+            b_bw = tl.where(o_t[:, None] - o_t[None, :] == WIN - 1 - d, b_wd[None, :], b_bw)
+            b_wr = tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)
+            b_br = tl.where(o_t[:, None] - o_r[None, :] == WIN - 1 - d, b_wr[None, :], b_br)
+        b_dvb = tl.dot((b_sr * b_bw * scale).to(b_do.dtype), b_do)
+        b_dvb += tl.dot((tl.dot(b_x, tl.trans(b_qr)) * b_br * scale).to(b_do.dtype), b_dor)
+        tl.store(dvb + p_tv, b_dvb, mask=m_tv)
 
 
 @triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
@@ -860,19 +883,23 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
+# restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local left in dv
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'IS_VARLEN'],
+                 restore_value=['dv'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-             dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma,
+             dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
-             LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+             LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+             HAS_FINAL: tl.constexpr = False):
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
-    the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) stores dq, dx',
-    dG, dv' = mt dU' (in dv) and dmt (in dw), all fp32, for the _win_bwd_* kernels."""
+    the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
+    (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dv),
+    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -895,6 +922,18 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_dst = tl.zeros([BT, BT], dtype=tl.float32)
     b_deta = tl.zeros([BT], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
+    if WIN > 1:
+        # falcon3a's band beyond the chunk's [BT, BT] scores: for its rows, the last W - 1 pairs o_e of the chunk (their
+        # delayed rows lie past it, see _fwd_o); for its delayed rows, the W - 1 rows o_r before the chunk
+        o_j = tl.arange(0, 16)
+        o_e = last + 1 - (WIN - 1) + o_j
+        m_e = o_j < WIN - 1
+        b_xe, valid_e = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_e, m_e, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        o_r = i_t * BT - 16 + o_j
+        m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
+        b_dse = tl.zeros([BT, 16], dtype=tl.float32)     # do_t.v_e
+        b_dsr = tl.zeros([BT, 16], dtype=tl.float32)     # v'_s.do_r
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -910,23 +949,68 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         if DELTA:
             b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype)
             b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
+            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
         else:
             b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_u = (b_v * b_eta[:, None]).to(b_q.dtype)
             b_deta += tl.sum(b_du * b_v, 1)
-            tl.store(dv + p_tv, (b_du * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            b_dvs = b_du * b_eta[:, None]
+            if WIN > 0:
+                # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too)
+                b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_v.to(b_q.dtype)))
+                if WIN > 1:
+                    b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)    # the band's part, from _bwd_dv_local
+                    b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
+                                       USE_INITIAL_STATE)
+                    b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
+                    b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
+                                    mask=m_r[:, None] & (o_v < V)[None, :], other=0)
+                    b_dsr += tl.dot(b_v.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
+            else:
+                b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
+            tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
         b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
-        b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
         if DELTA:
             b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
         b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
+    b_dsw = b_ds
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
+    if WIN > 0:
+        b_ds *= b_eta[None, :]
+    # the decay gradient below is the GLA's, q.dq - x.dx: the band's shares of q.dq (b_qb) and x.dx (b_xb) come out
+    b_qb = tl.zeros([BT], dtype=tl.float32)
+    b_xb = tl.zeros([BT], dtype=tl.float32)
+    b_dM = tl.zeros([BT, 8], dtype=tl.float32)
+    o_d = tl.arange(0, 8)
+    if WIN > 1:
+        # the band: scale Mb[t, d] on the same scores at s = t + W - 1 - d (see _fwd_o), so its dq and dx' ride on
+        # the GLA's two products below; dMb[t, d] = scale (q_t.x'_s)(do_t.v'_s) there
+        b_sd = b_dsw * tl.dot(b_q, tl.trans(b_x)) * scale
+        b_se = tl.dot(b_q, tl.trans(b_xe)) * b_dse * scale
+        b_bw = tl.zeros([BT, BT], dtype=tl.float32)
+        b_be = tl.zeros([BT, 16], dtype=tl.float32)
+        for d in tl.static_range(WIN - 1):
+            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None]
+            m_d = o_t[None, :] - o_t[:, None] == WIN - 1 - d
+            m_de = o_t[:, None] - o_e[None, :] == d
+            b_bw = tl.where(m_d, b_wd, b_bw)
+            b_be = tl.where(m_de, b_wd, b_be)
+            b_dMd = tl.sum(tl.where(m_d, b_sd, 0.), 1) + tl.sum(tl.where(m_de, b_se, 0.), 1)
+            if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step
+                b_dMd += tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - d + o_t * 0, mask=m_t & (o_t == T - 1), other=0)
+            b_dM = tl.where(o_d[None, :] == d, b_dMd[:, None], b_dM)
+        b_ds += b_dsw * b_bw * scale
+        b_sd *= b_bw
+        b_qb = tl.sum(b_sd, 1) + tl.sum(b_se * b_be, 1)
+        b_xb = tl.sum(b_sd, 0)
     # dq first, stored before dx is formed: fewer [BT, BK] fp32 tiles live at once
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
+    if WIN > 1:
+        b_dq += tl.dot((b_dse * b_be * scale).to(b_q.dtype), b_xe)
     # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
-    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1)
+    b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_qb
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     if DELTA:
@@ -944,7 +1028,18 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
     b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
     b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
-    b_dG -= tl.sum(b_xf * b_dx, 1)
+    if WIN > 1:
+        # the rows before the chunk: scale Mb[r, d] (q_r.x'_s)(do_r.v'_s) at s = r + W - 1 - d
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
+                       mask=m_r[:, None] & (o_k < K)[None, :], other=0)
+        b_br = tl.zeros([BT, 16], dtype=tl.float32)
+        for d in tl.static_range(WIN - 1):
+            b_wr = tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)
+            b_br = tl.where(o_t[:, None] - o_r[None, :] == WIN - 1 - d, b_wr[None, :], b_br)
+        b_dsr = b_dsr * b_br * scale
+        b_dx += tl.dot(b_dsr.to(b_q.dtype), b_qr)
+        b_xb += tl.sum(b_dsr * tl.dot(b_x, tl.trans(b_qr)), 1)
+    b_dG -= tl.sum(b_xf * b_dx, 1) - b_xb
     b_dG += tl.where(o_t == last, b_end, 0.)
     if DELTA:
         tl.store(dx + p_tk, b_dx, mask=m_tk)
@@ -953,7 +1048,17 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     elif WIN > 0:
         tl.store(dx + p_tk, b_dx, mask=m_tk)
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
-        tl.store(dw + (bos + o_t) * HV + i_hv, b_deta, mask=m_t)
+        # the window weights' gradients (dmt = deta, dMb) as per-row terms: with w[t, d] = dmt_t + sum_{d' >= d}
+        # dMb[t, d'] (mt = wm[., W - 1], Mb[t, d] = wm[t, d] = sum_{j <= d} c_{t-j} e[t, j], e[t, j] = exp(g_{t-j+1} +
+        # ... + g_t)): dc_{t-j} += w[t, j] e[t, j] =: y[t, j], and g_s (t - j < s <= t) gets z[t, j] = y[t, j] c_{t-j},
+        # so dg_{t-i} += Zs[t, i + 1] = sum_{j > i} z[t, j]. Stores y (yz[., 0:8]) and Zs (yz[., 8:16])
+        b_wt = b_deta[:, None] + (tl.sum(b_dM, 1)[:, None] - tl.cumsum(b_dM, 1) + b_dM)
+        b_c, b_e = _win_ce(c, gl, bos, i_hv, HV, o_t, m_t, o_d, BT, WIN)
+        b_y = tl.where(o_d[None, :] < WIN, b_wt * b_e, 0.)
+        b_z = b_y * b_c
+        p_yz = ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_d[None, :]
+        tl.store(yz + p_yz, b_y, mask=m_t[:, None])
+        tl.store(yz + p_yz + 8, tl.sum(b_z, 1)[:, None] - tl.cumsum(b_z, 1) + b_z, mask=m_t[:, None])
     else:
         b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
             b_xf, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
@@ -1444,25 +1549,23 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
 
 
 # ----------------------------------------------------------------------------------------------
-# falcon3a backward after falcon1a's kernels on the delayed GLA rows (see the module docstring). Every kernel here is
-# per chunk and elementwise over [BT, K] / [BT, BV] tiles, O(W) of them: the band has W - 1 terms per step.
-#   _win_bwd_final: the final state's band terms from dht (the last W - 1 pairs of each sequence);
-#   _win_bwd_rows:  per step t, the band's dq and dMb[t, d] = scale (q_t.x_{t-d})(do_t.v_{t-d}) (+ x^T dht v on the
-#                   last step); then the weights' gradients, to c and to g, as per-row terms: y[t, d] for c_{t-d}
-#                   and suffix sums Zs[t, j] for g_{t-j+1};
-#   _win_bwd_gates: per step, dc and dg gathered from the rows t = s .. s + W - 1, with dG of the GLA: the gates'
-#                   chain rule, and the window energy's weight 2 dE / B;
-#   _win_bwd_pairs: per pair p, dx and dv from its delayed GLA row p + W - 1, its band rows p .. p + W - 2, the
-#                   final state and the window energy; the first chunk also does the carried tail's pairs.
+# falcon3a backward after falcon1a's kernels on the delayed GLA rows, which also do the band (see the module docstring):
+#   _win_bwd_final: the sequence's last W - 1 pairs (no delayed row): their band, and the final state's band from dht;
+#   _win_bwd_gates: per step, dc and dg gathered from the rows t = s .. s + W - 1 (yz, from _bwd_dqx), with dG of the
+#                   GLA: the gates' chain rule, and the window energy's weight 2 dE / B;
+#   _win_bwd_pairs: per pair p, dx and dv from its delayed GLA row p + W - 1 (or _win_bwd_final's) and the window
+#                   energy; the first chunk also does the carried tail's pairs.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _win_bwd_final(k, v, last_k, count, tail_x, tail_v, wm, dht, fx, fv, fm, cu_seqlens, chunk_offsets, T,
+def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, fm, scale, cu_seqlens, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The final state's band, S_T += sum_d Mb[T-1, d] x_p v_p^T (p = T-1-d), against dht: rows j = p - (T - 16) of
-    fx = Mb dht v_p, fv = Mb dht^T x_p and fm = x_p^T dht v_p (the gradient of Mb[T-1, d])."""
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_FINAL: tl.constexpr):
+    """The sequence's last W - 1 pairs p = T - W + 1 .. T - 1 have no delayed GLA row: the band and the final state are
+    all of their gradient. Rows j = p - (T - 16) of fx (their dx), fv (dv) and fm (the gradient of Mb[T-1, d]): the band
+    of the rows t = p .. T - 1, scale Mb[t, t - p] ((do_t.v_p) q_t and (q_t.x_p) do_t), and with dht (HAS_FINAL) the
+    final state's band, S_T += sum_d Mb[T-1, d] x_p v_p^T (p = T-1-d): Mb dht v_p, Mb dht^T x_p and x_p^T dht v_p."""
     i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -1470,80 +1573,42 @@ def _win_bwd_final(k, v, last_k, count, tail_x, tail_v, wm, dht, fx, fv, fm, cu_
     o_j = tl.arange(0, 16)
     o_p = T - 16 + o_j
     m_p = (o_p >= T - (WIN - 1)) & (o_p * 0 + T > 0)   # none in an empty sequence
+    m_z = m_p & (o_p >= 0)                              # the same positions as rows t
     o_k = tl.arange(0, BK)
     b_x, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
                                USE_INITIAL_STATE)
+    b_qz = tl.load(q + ((bos + o_p) * H + i_h)[:, None] * K + o_k[None, :], mask=m_z[:, None] & (o_k < K)[None, :],
+                   other=0).to(b_x.dtype)
+    # [pair j, row i]: scale Mb[t_i, d] where t_i - p_j = d
+    b_bz = tl.zeros([16, 16], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_wz = tl.load(wm + ((bos + o_p) * HV + i_hv) * 8 + d, mask=m_z, other=0)
+        b_bz = tl.where(o_p[None, :] - o_p[:, None] == d, b_wz[None, :], b_bz)
+    b_bz *= scale
+    b_sz = tl.dot(b_x, tl.trans(b_qz)) * b_bz
     b_x = b_x.to(tl.float32)
     b_w = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
     b_fx = tl.zeros([16, BK], dtype=tl.float32)
     b_fm = tl.zeros([16], dtype=tl.float32)
+    b_dsz = tl.zeros([16, 16], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-        b_dht = tl.load(dht + (i_nh * K + o_k[:, None]) * V + o_v[None, :],
-                        mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
-        b_fv = tl.dot(b_x, b_dht, input_precision="ieee")                  # [16, BV]: rows x_p^T dht
-        b_fm += tl.sum(b_fv * b_v, 1)
-        b_fx += tl.dot(b_v, tl.trans(b_dht), input_precision="ieee")      # [16, BK]: rows (dht v_p)^T
-        tl.store(fv + (i_nh * 16 + o_j)[:, None] * V + o_v[None, :], b_fv * b_w[:, None], mask=(o_v < V)[None, :])
-    tl.store(fx + (i_nh * 16 + o_j)[:, None] * K + o_k[None, :], b_fx * b_w[:, None], mask=(o_k < K)[None, :])
-    tl.store(fm + i_nh * 16 + o_j, b_fm)
-
-
-# 4 warps spill 400-800 B per thread at K = V = 128 (aot_check, sm_90)
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'HAS_FINAL', 'IS_VARLEN'])
-@triton.jit
-def _win_bwd_rows(q, k, v, last_k, count, tail_x, tail_v, c, gl, wm, do, dq32, dmt, fm, dq, yz, scale,
-                  cu_seqlens, chunk_indices, chunk_offsets, T,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-                  HAS_FINAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per step t: dq = dq(GLA) + scale sum_d Mb[t, d] (do_t.v_p) x_p over the band's pairs p = t - d, and
-    dMb[t, d] = scale (q_t.x_p)(do_t.v_p) (+ fm on the sequence's last step). With w[t, d] = dmt_t + sum_{d' >= d}
-    dMb[t, d'] (mt = wm[., W - 1], Mb[t, d] = wm[t, d] = sum_{j <= d} c_{t-j} e[t, j], e[t, j] = exp(g_{t-j+1} + ... +
-    g_t)): dc_{t-j} += w[t, j] e[t, j] =: y[t, j], and g_s (t - j < s <= t) gets z[t, j] = y[t, j] c_{t-j}, so
-    dg_{t-i} += Zs[t, i + 1] = sum_{j > i} z[t, j]. Stores y (yz[., 0:8]) and Zs (yz[., 8:16])."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    o_k = tl.arange(0, BK)
-    o_d = tl.arange(0, 8)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    b_qf = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
-    b_dq = tl.load(dq32 + p_tk, mask=m_tk, other=0)
-    b_dM = tl.zeros([BT, 8], dtype=tl.float32)
-    for d in tl.static_range(WIN - 1):
-        b_xd, valid_d = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
-                                    USE_INITIAL_STATE)
-        b_xd = b_xd.to(tl.float32)
-        b_dvd = tl.zeros([BT], dtype=tl.float32)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            b_do = tl.load(do + ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :],
-                           mask=m_t[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
-            b_vd = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT,
-                               USE_INITIAL_STATE)
-            b_dvd += tl.sum(b_do * b_vd, 1)
-        b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
-        b_dq += (scale * b_wd * b_dvd)[:, None] * b_xd
-        b_dMd = scale * tl.sum(b_qf * b_xd, 1) * b_dvd
+        b_doz = tl.load(do + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :],
+                        mask=m_z[:, None] & (o_v < V)[None, :], other=0)
+        b_fvb = tl.dot(b_sz.to(b_doz.dtype), b_doz)
+        b_dsz += tl.dot(b_v.to(b_doz.dtype), tl.trans(b_doz))
         if HAS_FINAL:
-            b_dMd += tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - d + o_t * 0, mask=m_t & (o_t == T - 1), other=0)
-        b_dM = tl.where(o_d[None, :] == d, b_dMd[:, None], b_dM)
-    tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    # w[t, d] = dmt_t + sum_{d' >= d} dMb[t, d']
-    b_wt = tl.load(dmt + (bos + o_t) * HV + i_hv, mask=m_t, other=0)[:, None] + (
-        tl.sum(b_dM, 1)[:, None] - tl.cumsum(b_dM, 1) + b_dM)
-    b_c, b_e = _win_ce(c, gl, bos, i_hv, HV, o_t, m_t, o_d, BT, WIN)
-    b_y = tl.where(o_d[None, :] < WIN, b_wt * b_e, 0.)
-    b_z = b_y * b_c
-    p_yz = ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_d[None, :]
-    tl.store(yz + p_yz, b_y, mask=m_t[:, None])
-    tl.store(yz + p_yz + 8, tl.sum(b_z, 1)[:, None] - tl.cumsum(b_z, 1) + b_z, mask=m_t[:, None])
+            b_dht = tl.load(dht + (i_nh * K + o_k[:, None]) * V + o_v[None, :],
+                            mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
+            b_fv = tl.dot(b_x, b_dht, input_precision="ieee")                  # [16, BV]: rows x_p^T dht
+            b_fm += tl.sum(b_fv * b_v, 1)
+            b_fx += tl.dot(b_v, tl.trans(b_dht), input_precision="ieee")      # [16, BK]: rows (dht v_p)^T
+            b_fvb += b_fv * b_w[:, None]
+        tl.store(fv + (i_nh * 16 + o_j)[:, None] * V + o_v[None, :], b_fvb, mask=(o_v < V)[None, :])
+    b_fx = b_fx * b_w[:, None] + tl.dot((b_dsz * b_bz).to(b_qz.dtype), b_qz)
+    tl.store(fx + (i_nh * 16 + o_j)[:, None] * K + o_k[None, :], b_fx, mask=(o_k < K)[None, :])
+    tl.store(fm + i_nh * 16 + o_j, b_fm)
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)],
@@ -1553,7 +1618,7 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    HV: tl.constexpr, BT: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
                    LAM_COUPLED: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per step s: dc_s = sum_d y[s + d, d], the direct dg_s = sum_{i < W-1} Zs[s + i, i + 1] (see _win_bwd_rows)
+    """Per step s: dc_s = sum_d y[s + d, d], the direct dg_s = sum_{i < W-1} Zs[s + i, i + 1] (see _bwd_dqx)
     and dG of the GLA (its in-chunk reverse cumsum), through the gates (c = eta / B); wE = 2 dE / B for the keys."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -1580,60 +1645,31 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
 
 
 @triton.jit
-def _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dv_out, r_dv, scale,
-                    i_n, i_h, i_hv, bos, T, o_p, m_p, R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
-                    SHIFT: tl.constexpr, HAS_FINAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+def _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T, o_p, m_p,
+                    R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                    USE_INITIAL_STATE: tl.constexpr):
     """dx (returned, fp32, with the pairs' validity) and dv (stored at dv_out + r_dv) of the R pairs o_p: dx'/dv' of the
-    delayed GLA row p + W - 1, the band rows t = p + d (d < W - 1, weight scale Mb[t, d]), the final state's band
-    (fx, fv) and the window energy x_p sum_{r = p}^{p + W - 1} wE_r."""
+    delayed GLA row p + W - 1 (the GLA and the band, _bwd_dqx), or for the sequence's last W - 1 pairs fx / fv
+    (_win_bwd_final), and the window energy x_p sum_{r = p}^{p + W - 1} wE_r."""
     o_k = tl.arange(0, BK)
-    o_d = tl.arange(0, 8)
     b_x, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
                                USE_INITIAL_STATE)
-    b_xf = b_x.to(tl.float32)
     r_g = o_p + WIN - 1             # the pair's delayed GLA row
     m_g = m_p & (r_g < T)
-    j_f = o_p - (T - 16)            # its row in fx / fv when in the final state's band
-    m_f = m_p & (o_p >= T - (WIN - 1))
-    # per band row d: scale Mb[t, d] and q_t.x_p
-    b_wb = tl.zeros([R, 8], dtype=tl.float32)
-    b_qx = tl.zeros([R, 8], dtype=tl.float32)
-    for d in tl.static_range(WIN - 1):
-        t = o_p + d
-        m_r = m_p & (t >= 0) & (t < T)
-        b_qt = tl.load(q + ((bos + t) * H + i_h)[:, None] * K + o_k[None, :],
-                       mask=m_r[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
-        b_wd = scale * tl.load(wm + ((bos + t) * HV + i_hv) * 8 + d, mask=m_r, other=0)
-        b_wb = tl.where(o_d[None, :] == d, b_wd[:, None], b_wb)
-        b_qx = tl.where(o_d[None, :] == d, tl.sum(b_qt * b_xf, 1)[:, None], b_qx)
-    b_dvd = tl.zeros_like(b_wb)     # do_t.v_p per band row
+    j_f = o_p - (T - 16)            # its row in fx / fv when it has none
+    m_f = m_p & (r_g >= T)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = (o_v < V)[None, :]
-        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_dv = tl.load(dv32 + ((bos + r_g) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v, other=0)
-        for d in tl.static_range(WIN - 1):
-            t = o_p + d
-            m_r = m_p & (t >= 0) & (t < T)
-            b_dot = tl.load(do + ((bos + t) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_r[:, None] & m_v,
-                            other=0).to(tl.float32)
-            b_dv += (_col(b_wb, o_d, d) * _col(b_qx, o_d, d))[:, None] * b_dot
-            b_dvd += tl.where(o_d[None, :] == d, tl.sum(b_dot * b_vp, 1)[:, None], 0.)
-        if HAS_FINAL:
+        if WIN > 1:
             b_dv += tl.load(fv + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v,
                             other=0)
         tl.store(dv_out + r_dv[:, None] + o_v[None, :], b_dv.to(dv_out.dtype.element_ty), mask=m_p[:, None] & m_v)
     m_pk = (o_k < K)[None, :]
     b_dx = tl.load(dx32 + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_pk, other=0)
-    b_cq = b_wb * b_dvd
-    for d in tl.static_range(WIN - 1):
-        t = o_p + d
-        m_r = m_p & (t >= 0) & (t < T)
-        b_qt = tl.load(q + ((bos + t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & m_pk,
-                       other=0).to(tl.float32)
-        b_dx += _col(b_cq, o_d, d)[:, None] * b_qt
-    if HAS_FINAL:
+    if WIN > 1:
         b_dx += tl.load(fx + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_pk,
                         other=0)
     # the window energy: pair p is in the windows of the steps r = p .. p + W - 1
@@ -1641,18 +1677,18 @@ def _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, 
     for d in tl.static_range(WIN):
         r = o_p + d
         b_ws += tl.load(wE + (bos + r) * HV + i_hv, mask=m_p & (r >= 0) & (r < T), other=0)
-    b_dx += b_ws[:, None] * b_xf
+    b_dx += b_ws[:, None] * b_x.to(tl.float32)
     return b_dx, valid_p
 
 
-# 4 warps spill 400-800 B per thread at K = V = 128 (aot_check, sm_90)
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'HAS_FINAL', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _win_bwd_pairs(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dk, dv, dlast_k, dtail_x,
-                   dtail_v, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
+def _win_bwd_pairs(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
+                   cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-                   HAS_FINAL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dk and dv of the chunk's pairs (see _win_pair_grads); the first chunk of a sequence with a carried tail also
     writes the tail's gradient (its pairs p = -(W-1) .. -1)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -1661,9 +1697,9 @@ def _win_bwd_pairs(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, w
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    b_dx, valid = _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dv,
-                                  ((bos + o_t) * HV + i_hv) * V, scale, i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K,
-                                  V, BK, BV, WIN, SHIFT, HAS_FINAL, USE_INITIAL_STATE)
+    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dv, ((bos + o_t) * HV + i_hv) * V,
+                                  i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K, V, BK, BV, WIN, SHIFT,
+                                  USE_INITIAL_STATE)
     _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
     if USE_INITIAL_STATE:
         if WIN > 1:
@@ -1671,9 +1707,9 @@ def _win_bwd_pairs(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, w
                 o_p = tl.arange(0, 8) - 8
                 m_p = o_p >= -(WIN - 1)
                 r_tail = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p
-                b_dxp, valid_p = _win_pair_grads(q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx,
-                                                 fv, dtail_v, r_tail * V, scale, i_n, i_h, i_hv, bos, T, o_p, m_p, 8,
-                                                 H, HV, K, V, BK, BV, WIN, SHIFT, HAS_FINAL, USE_INITIAL_STATE)
+                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dtail_v, r_tail * V,
+                                                 i_n, i_h, i_hv, bos, T, o_p, m_p, 8, H, HV, K, V, BK, BV, WIN, SHIFT,
+                                                 USE_INITIAL_STATE)
                 o_k = tl.arange(0, BK)
                 tl.store(dtail_x + r_tail[:, None] * K + o_k[None, :], b_dxp, mask=m_p[:, None] & (o_k < K)[None, :])
 
@@ -1839,7 +1875,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     ds_buf = None if delta else torch.empty(B, T, HV, BT, **f32)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-        dk, dlast_k, dbeta, dlam, ds_buf, scale, eps, eps_gamma, cu_seqlens, ci, co, T, DELTA=delta, WIN=0, **gates,
+        dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, scale, eps, eps_gamma, cu_seqlens, ci, co, T,
+        DELTA=delta, WIN=0, **gates,
         **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
@@ -1848,7 +1885,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
-def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win):
+def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win,
+                 wm=None, dvb=None):
     """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
     the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0)."""
     B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
@@ -1862,7 +1900,7 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     else:
         _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ci, co, T, WIN=win, **common)
+            q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win, **common)
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -1875,35 +1913,34 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
 
 def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
                    lam_coupled, win, cu, m, common):
-    """falcon3a's backward: falcon1a's kernels on the delayed GLA rows (fp32 dq, dx', dv', dmt, dG), then the band's
-    and the gates' kernels (see the falcon3a backward section)."""
+    """falcon3a's backward: falcon1a's kernels on the delayed GLA rows with the band added (_bwd_dv_local: its value
+    gradient; _bwd_dqx: dq, dx', dv', dG and the window weights' gradients), the last pairs' band and the final
+    state's (_win_bwd_final), then the gates (_win_bwd_gates) and the pairs (_win_bwd_pairs)."""
     G, c, gl, Ew, rBw, wm, mt, h = saved
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
-    du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
-                               win)
-    gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
-    # the GLA's gradients, in fp32 for the band kernels: dq, dx' and dv' (rows of the delayed form), dmt, dG
-    dq32, dx32 = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
+    # dv' (rows of the delayed form, fp32): _bwd_dv_local writes the band's part, _bwd_dqx adds the GLA's
     dv32 = torch.empty(B, T, HV, V, **f32)
-    dG, dmt = torch.empty(B, T, HV, **f32), torch.empty(B, T, HV, **f32)
-    _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq32, dx32, dG, dmt, dv32,
-        None, None, None, None, torch.empty(B, T, HV, BT, **f32), scale, eps, eps_gamma, cu, ci, co, T, DELTA=False,
-        WIN=win, **gates, **dict(common, BV=min(BV, 32)))
+    du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
+                               win, wm, dv32)
+    gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     has_final = dht is not None and win > 1
     fx = fv = fm = None
-    if has_final:
+    if win > 1:
         fx, fv, fm = torch.empty(N, HV, 16, K, **f32), torch.empty(N, HV, 16, V, **f32), torch.empty(N, HV, 16, **f32)
-        _win_bwd_final[(N * HV,)](k, v, last_k, count, tail_x, tail_v, wm, dht, fx, fv, fm, cu, co, T, WIN=win,
-                                  **common)
+        _win_bwd_final[(N * HV,)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, fm, scale, cu, co, T,
+                                  WIN=win, HAS_FINAL=has_final, **common, num_warps=8)
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
+    dx32 = torch.empty(B, T, HV, K, **f32)
+    dG = torch.empty(B, T, HV, **f32)
     yz = torch.empty(B, T, HV, 16, **f32)
-    _win_bwd_rows[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, c, gl, wm, do, dq32, dmt, fm, dq, yz, scale,
-                                cu, ci, co, T, WIN=win, HAS_FINAL=has_final, **common)
+    _bwd_dqx[(NT, B * HV)](
+        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
+        None, None, None, None, torch.empty(B, T, HV, BT, **f32), c, gl, wm, fm, yz, scale, eps, eps_gamma, cu, ci, co,
+        T, DELTA=False, WIN=win, HAS_FINAL=has_final, **gates, **dict(common, BV=min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
@@ -1914,9 +1951,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init and win > 1 else None
     dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init and win > 1 else None
-    _win_bwd_pairs[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dx32, dv32, wE, fx, fv, dk, dv,
-                                 dlast_k, dtail_x, dtail_v, scale, cu, ci, co, T, WIN=win, HAS_FINAL=has_final,
-                                 **common)
+    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
+                                 cu, ci, co, T, WIN=win, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
