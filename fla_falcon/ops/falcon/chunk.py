@@ -1872,7 +1872,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # falcon1a: the transposed intra-chunk product through a scratch buffer, and 32-wide value blocks (its value
     # loop also forms the state path of dU): no register spills at K = V = 128 (255 regs and ~260 B of stack per
     # thread before; aot_check, sm_90)
-    ds_buf = None if delta else torch.empty(B, T, HV, BT, **f32)
+    # (in the inputs' dtype: it is only read back as a matmul operand in that dtype)
+    ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
         dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, scale, eps, eps_gamma, cu_seqlens, ci, co, T,
@@ -1880,8 +1881,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
-            k, v, beta, lam, last_k, count, G, eta, A, torch.empty_like(A), dx, dG, dw, du, dv, dk, dlast_k,
-            dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
+            k, v, beta, lam, last_k, count, G, eta, A, torch.empty(A.shape, device=dev, dtype=k.dtype), dx, dG, dw, du,
+            dv, dk, dlast_k, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
@@ -1937,10 +1938,11 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     dx32 = torch.empty(B, T, HV, K, **f32)
     dG = torch.empty(B, T, HV, **f32)
     yz = torch.empty(B, T, HV, 16, **f32)
+    ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
-        None, None, None, None, torch.empty(B, T, HV, BT, **f32), c, gl, wm, fm, yz, scale, eps, eps_gamma, cu, ci, co,
-        T, DELTA=False, WIN=win, HAS_FINAL=has_final, **gates, **dict(common, BV=min(BV, 32)))
+        None, None, None, None, ds_buf, c, gl, wm, fm, yz, scale, eps, eps_gamma, cu, ci, co, T, DELTA=False, WIN=win,
+        HAS_FINAL=has_final, **gates, **dict(common, BV=min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
@@ -1965,8 +1967,9 @@ def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do,
     common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}
     NV = triton.cdiv(V, COL_BV)
     rowp = torch.empty(NV, B * T, HV, 2, **f32)   # every slot written
-    # scratch of ds (falcon2: and dM) per chunk row, read back transposed
-    ds_buf = torch.empty(B, T, HV, BT, **f32)
+    # scratch of ds (falcon2: and dM) per chunk row, read back transposed; ds only as a matmul operand in the inputs'
+    # dtype, so it is stored in it (dM's two orientations are summed first: fp32)
+    ds_buf = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
     dm_buf = torch.empty(B, T, HV, BT, **f32) if delta else None
     _bwd_col_gates[(NV, NT, B * HV)](
         k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps, eps_gamma,
