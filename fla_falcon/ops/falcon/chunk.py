@@ -385,9 +385,21 @@ def _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV: tl.constexp
 
 
 @triton.jit
-def _col(b, o_d, d):
-    """Column d of a [R, 8] tile, as a vector."""
-    return tl.sum(tl.where(o_d[None, :] == d, b, 0.), 1)
+def _band_w(wm, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_s, WIN: tl.constexpr, TRANS: tl.constexpr):
+    """falcon3a's band weights between the steps o_t (m_t: real steps) and the delayed GLA rows o_s: Mb[t, d] where
+    s = t + W - 1 - d, d < W - 1 (the pair p = s - W + 1 = t - d, whose window has not ended at step t), else 0.
+    [len(o_t), len(o_s)], or [len(o_s), len(o_t)] with TRANS."""
+    if TRANS:
+        b_w = tl.zeros_like((o_s[:, None] + o_t[None, :]).to(tl.float32))
+    else:
+        b_w = tl.zeros_like((o_t[:, None] + o_s[None, :]).to(tl.float32))
+    for d in tl.static_range(WIN - 1):
+        b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
+        if TRANS:
+            b_w = tl.where(o_s[:, None] - o_t[None, :] == WIN - 1 - d, b_wd[None, :], b_w)
+        else:
+            b_w = tl.where(o_s[None, :] - o_t[:, None] == WIN - 1 - d, b_wd[:, None], b_w)
+    return b_w
 
 
 # ----------------------------------------------------------------------------------------------
@@ -741,18 +753,15 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
     elif WIN > 1:
         # falcon3a: the delayed row's weight mt moves from the values onto the scores, so that the band joins the
         # same product: the pair p = t - d (d < W - 1) of row t has its delayed row tau = t + W - 1 - d, weight Mb[t, d]
-        b_a *= tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)[None, :]
+        b_a = b_a * tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)[None, :] + _band_w(
+            wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, False)
         # the band's last W - 1 pairs, p = E - W + 1 .. E - 1, have their delayed rows past the chunk (or past the
         # sequence's end): one more [BT, 16] block of scores
         E = min(i_t * BT + BT, T)
         o_j = tl.arange(0, 16)
         o_p = E - (WIN - 1) + o_j
         m_p = o_j < WIN - 1
-        b_ae = tl.zeros([BT, 16], dtype=tl.float32)
-        for d in tl.static_range(WIN - 1):
-            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None]
-            b_a = tl.where(o_t[None, :] - o_t[:, None] == WIN - 1 - d, b_wd, b_a)
-            b_ae = tl.where(o_t[:, None] - o_p[None, :] == d, b_wd, b_ae)
+        b_ae = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_p + WIN - 1, WIN, False)
         b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_v.to(b_q.dtype))
         b_xe, valid_e = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
@@ -812,13 +821,8 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                        mask=m_r[:, None] & (o_k < K)[None, :], other=0)
         b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
                         mask=m_r[:, None] & (o_v < V)[None, :], other=0)
-        b_bw = tl.zeros([BT, BT], dtype=tl.float32)
-        b_br = tl.zeros([BT, 16], dtype=tl.float32)
-        for d in tl.static_range(WIN - 1):
-            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)
-            b_bw = tl.where(o_t[:, None] - o_t[None, :] == WIN - 1 - d, b_wd[None, :], b_bw)
-            b_wr = tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)
-            b_br = tl.where(o_t[:, None] - o_r[None, :] == WIN - 1 - d, b_wr[None, :], b_br)
+        b_bw = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, True)
+        b_br = _band_w(wm, bos, i_hv, HV, o_r, m_r, o_t, WIN, True)
         b_dvb = tl.dot((b_sr * b_bw * scale).to(b_do.dtype), b_do)
         b_dvb += tl.dot((tl.dot(b_x, tl.trans(b_qr)) * b_br * scale).to(b_do.dtype), b_dor)
         tl.store(dvb + p_tv, b_dvb, mask=m_tv)
@@ -989,14 +993,11 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         # the GLA's two products below; dMb[t, d] = scale (q_t.x'_s)(do_t.v'_s) there
         b_sd = b_dsw * tl.dot(b_q, tl.trans(b_x)) * scale
         b_se = tl.dot(b_q, tl.trans(b_xe)) * b_dse * scale
-        b_bw = tl.zeros([BT, BT], dtype=tl.float32)
-        b_be = tl.zeros([BT, 16], dtype=tl.float32)
+        b_bw = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, False)
+        b_be = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_e + WIN - 1, WIN, False)
         for d in tl.static_range(WIN - 1):
-            b_wd = tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None]
             m_d = o_t[None, :] - o_t[:, None] == WIN - 1 - d
             m_de = o_t[:, None] - o_e[None, :] == d
-            b_bw = tl.where(m_d, b_wd, b_bw)
-            b_be = tl.where(m_de, b_wd, b_be)
             b_dMd = tl.sum(tl.where(m_d, b_sd, 0.), 1) + tl.sum(tl.where(m_de, b_se, 0.), 1)
             if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step
                 b_dMd += tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - d + o_t * 0, mask=m_t & (o_t == T - 1), other=0)
@@ -1032,11 +1033,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         # the rows before the chunk: scale Mb[r, d] (q_r.x'_s)(do_r.v'_s) at s = r + W - 1 - d
         b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
                        mask=m_r[:, None] & (o_k < K)[None, :], other=0)
-        b_br = tl.zeros([BT, 16], dtype=tl.float32)
-        for d in tl.static_range(WIN - 1):
-            b_wr = tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)
-            b_br = tl.where(o_t[:, None] - o_r[None, :] == WIN - 1 - d, b_wr[None, :], b_br)
-        b_dsr = b_dsr * b_br * scale
+        b_dsr = b_dsr * _band_w(wm, bos, i_hv, HV, o_r, m_r, o_t, WIN, True) * scale
         b_dx += tl.dot(b_dsr.to(b_q.dtype), b_qr)
         b_xb += tl.sum(b_dsr * tl.dot(b_x, tl.trans(b_qr)), 1)
     b_dG -= tl.sum(b_xf * b_dx, 1) - b_xb
@@ -1579,12 +1576,8 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
                                USE_INITIAL_STATE)
     b_qz = tl.load(q + ((bos + o_p) * H + i_h)[:, None] * K + o_k[None, :], mask=m_z[:, None] & (o_k < K)[None, :],
                    other=0).to(b_x.dtype)
-    # [pair j, row i]: scale Mb[t_i, d] where t_i - p_j = d
-    b_bz = tl.zeros([16, 16], dtype=tl.float32)
-    for d in tl.static_range(WIN - 1):
-        b_wz = tl.load(wm + ((bos + o_p) * HV + i_hv) * 8 + d, mask=m_z, other=0)
-        b_bz = tl.where(o_p[None, :] - o_p[:, None] == d, b_wz[None, :], b_bz)
-    b_bz *= scale
+    # [pair j, row i]: scale Mb[t_i, t_i - p_j] (the pair's delayed row p_j + W - 1)
+    b_bz = _band_w(wm, bos, i_hv, HV, o_p, m_z, o_p + WIN - 1, WIN, True) * scale
     b_sz = tl.dot(b_x, tl.trans(b_qz)) * b_bz
     b_x = b_x.to(tl.float32)
     b_w = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
