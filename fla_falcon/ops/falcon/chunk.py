@@ -245,7 +245,14 @@ def _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV: tl.c
 def _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV: tl.constexpr, K: tl.constexpr,
               BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """Writes dx as dk (x_t = k_{t-SHIFT}, so shifted back by one row; row -1 is the carried last key)."""
-    o_k = tl.arange(0, BK)
+    _store_dk_cols(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, tl.arange(0, BK), T, HV, K, SHIFT,
+                   USE_INITIAL_STATE)
+
+
+@triton.jit
+def _store_dk_cols(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, o_k, T, HV: tl.constexpr,
+                   K: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """_store_dk for the key columns o_k only."""
     r = o_t - SHIFT
     p_dk = dk + ((bos + r) * HV + i_hv)[:, None] * K + o_k[None, :]
     m_dk = (m_t & (r >= 0))[:, None] & (o_k < K)[None, :]
@@ -1065,16 +1072,18 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
                           i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
-def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv, dk, dlast_k, dbeta, dlam,
+def _bwd_gates(k, v, beta, lam, last_k, count, G, A, dP, dx, dG, dw, du, dv, dk, dlast_k, dbeta, dlam,
                eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                SHIFT: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
                USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """falcon1's WY backward, then the gates' chain rule; writes dk (shifted back by one token), the
-    carried last key's gradient, dv, dbeta and dlam."""
+    carried last key's gradient, dv, dbeta and dlam. Keys go in BK-wide blocks (BK <= 64) and the gates scale
+    the [BT, BT] products after them, so no [BT, K] tile outlives its block: with all of K at once the kernel
+    held 255 registers per thread at 8 warps (one program per SM) and spilled 600 B at 4 (aot_check, sm_90)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1082,62 +1091,79 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, eta, A, dP, dx, dG, dw, du, dv
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_s = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _gates(
-        b_xl.to(tl.float32), beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma, HAS_LAM, LAM_COUPLED)
-    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-    dt = b_xl.dtype   # matmul inputs in the inputs' dtype, as in the forward
-    b_Gx = b_G - b_g
-    b_b = b_eta * tl.exp(b_Gx)
+    dt = k.dtype.element_ty   # matmul inputs in the inputs' dtype, as in the forward
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
     # A^T, loaded through transposed pointers (row s of A^T is column s of A)
     p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
     b_At = tl.load(A + p_At, mask=m_t[None, :], other=0).to(dt)
-    # W = A diag(b) X, U0 = A diag(eta) V: dA = dU (eta V)^T + dW (bX)^T. The [BT, K] tiles (dx, dw, A^T dw)
-    # are loaded or formed only after the value loop and the dA products: fewer live registers (no spills)
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    # W = A diag(b) X: dA = dW (bX)^T + ... = (dW X^T) diag(b); first the key blocks' products, which need no gate:
+    # the energy E, dW X^T, X X^T and db = rowsum(A^T dW * X)
+    b_E = tl.zeros([BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    b_dWX = tl.zeros([BT, BT], dtype=tl.float32)
+    b_XX = tl.zeros([BT, BT], dtype=tl.float32)
+    valid = m_t
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_x, valid = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
+        b_dw = tl.load(dw + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0).to(dt)
+        b_xf = b_x.to(tl.float32)
+        b_E += tl.sum(b_xf * b_xf, 1)
+        b_dWX += tl.dot(b_dw, tl.trans(b_x))
+        b_XX += tl.dot(b_x, tl.trans(b_x))
+        b_db += tl.sum(tl.dot(b_At, b_dw) * b_xf, 1)
+    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
+    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
+    b_Gx = b_G - b_g
+    b_b = b_eta * tl.exp(b_Gx)
+    # U0 = A diag(eta) V: dA += (dU V^T) diag(eta)
+    b_dA = b_dWX * b_b[None, :]
     b_deta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0)
         b_du = tl.load(du + p_tv, mask=m_tv, other=0).to(dt)
-        b_dA += tl.dot(b_du, tl.trans((b_v * b_eta[:, None]).to(dt)))
+        b_dA += tl.dot(b_du, tl.trans(b_v.to(dt))) * b_eta[None, :]
         b_Atdu = tl.dot(b_At, b_du)
         tl.store(dv + p_tv, (b_Atdu * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_deta += tl.sum(b_Atdu * b_v, 1)
-    b_dw = tl.load(dw + p_tk, mask=m_tk, other=0).to(dt)
-    b_dA += tl.dot(b_dw, tl.trans((b_xl.to(tl.float32) * b_b[:, None]).to(dt)))
+        b_deta += tl.sum(b_Atdu * b_v.to(tl.float32), 1)
     # A = (I + L)^-1: dL = -A^T dA A^T on the strictly lower part
     b_dL = -tl.dot(tl.dot(b_At, b_dA.to(dt)).to(dt), b_At)
     m_l = (o_s[:, None] > o_s[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_F = tl.where(m_l, tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)), 0.)    # [t, s]
     b_P = b_dL * b_F * b_eta[:, None]
     # P^T through a scratch buffer: a transposed dot result fed into tl.dot miscompiles on Hopper
-    tl.store(dP + p_A, b_P, mask=m_t[:, None])
-    b_dx = tl.dot(b_P.to(dt), b_xl)
-    b_R = b_dL * b_F * tl.dot(b_xl, tl.trans(b_xl))
+    tl.store(dP + p_A, b_P.to(dP.dtype.element_ty), mask=m_t[:, None])
+    b_R = b_dL * b_F * b_XX
     b_deta += tl.sum(b_R, 1)
     b_Q = b_R * b_eta[:, None]
     b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_dG += tl.sum(b_Q, 1) - tl.sum(b_Q, 0)
     b_dgd = -tl.sum(b_Q, 1)   # direct gradient of g_t (outside the cumsum)
-    tl.debug_barrier()
-    b_Pt = tl.load(dP + p_At, mask=m_t[None, :], other=0)
-    b_dx += tl.dot(b_Pt.to(dt), b_xl)
-    b_Atdw = tl.dot(b_At, b_dw)
-    b_db = tl.sum(b_Atdw * b_xl.to(tl.float32), 1)
-    b_dx += tl.load(dx + p_tk, mask=m_tk, other=0) + b_Atdw * b_b[:, None]
     b_deta += b_db * tl.exp(b_Gx)
     b_dG += b_db * b_b
     b_dgd -= b_db * b_b
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_deta, b_lp, b_den, b_eta, b_a, clamped, valid)
-    _store_gate_grads(b_xl.to(tl.float32), b_dx, b_dbeta, b_dlp, b_dden, b_E, valid, dk, dlast_k, dbeta, dlam,
-                      i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
+    _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
+    tl.debug_barrier()
+    # dX = P X + P^T X + (A^T dW) diag(b) + dx + 2 dden X (the energy); P and P^T do not overlap (strictly lower
+    # and upper), so their sum in dt rounds as each alone
+    b_PP = (b_P + tl.load(dP + p_At, mask=m_t[None, :], other=0).to(tl.float32)).to(dt)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+        b_x, _ = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
+        b_dw = tl.load(dw + p_tk, mask=m_tk, other=0).to(dt)
+        b_dx = tl.dot(b_PP, b_x) + tl.dot(b_At, b_dw) * b_b[:, None] + tl.load(dx + p_tk, mask=m_tk, other=0)
+        b_dx += (2 * b_dden)[:, None] * b_x.to(tl.float32)
+        _store_dk_cols(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, o_k, T, HV, K, SHIFT,
+                       USE_INITIAL_STATE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1874,8 +1900,9 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
-            k, v, beta, lam, last_k, count, G, eta, A, torch.empty(A.shape, device=dev, dtype=k.dtype), dx, dG, dw, du,
-            dv, dk, dlast_k, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates, **common)
+            k, v, beta, lam, last_k, count, G, A, torch.empty(A.shape, device=dev, dtype=k.dtype), dx, dG, dw, du,
+            dv, dk, dlast_k, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, **gates,
+            **dict(common, BK=min(common['BK'], 64)))
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
