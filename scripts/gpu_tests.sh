@@ -12,5 +12,7 @@ XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${PYTEST_WORKERS:-8}")
 # -v with xdist prints "[gwN] PASSED tests/...::name" as each test ends; the whole output goes to LOG,
 # the failures and the summary to the terminal
-python3 -m pytest -v "${XDIST[@]}" -p no:cacheprovider --timeout "${PYTEST_TIMEOUT:-600}" -rfE "${@:-tests}" 2>&1 \
+# every failure's traceback also goes to LOG.failures as soon as it happens (tests/conftest.py)
+: > "$LOG.failures"
+PYTEST_FAIL_LOG=$(realpath "$LOG.failures") python3 -m pytest -v "${XDIST[@]}" -p no:cacheprovider --timeout "${PYTEST_TIMEOUT:-600}" -rfE "${@:-tests}" 2>&1 \
     | tee "$LOG" | grep --line-buffered -E "FAILED|ERROR|[0-9]+ (passed|failed)"

@@ -21,3 +21,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if 'gpu' in item.keywords and DEVICE != 'cuda':
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_logreport(report):
+    """With PYTEST_FAIL_LOG set (scripts/gpu_tests.sh sets it), each failure's traceback goes to that file as soon
+    as the test ends: pytest prints them only in its final summary, which a GPU lease that ends mid-run never
+    reaches. Written once, by the process that reports (the xdist controller, or pytest without xdist)."""
+    path = os.environ.get('PYTEST_FAIL_LOG')
+    if path and report.failed and not os.environ.get('PYTEST_XDIST_WORKER'):
+        with open(path, 'a') as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

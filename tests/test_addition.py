@@ -656,9 +656,11 @@ def test_cuda_graph_training_matches_eager(tmp_path, model, bf16):
                     test_min=5, test_max=5, steps=8, batch_size=8, lr=1e-3, warmup=2, weight_decay=0.1,
                     eval_samples=8, eval_batch_size=8, cuda_graph=graph, bf16=bf16)
         recs.append(_run_in_worker(spec, tmp_path / f"graph{int(graph)}"))
-    assert recs[0]['status'] == recs[1]['status'] == 'ok'
-    assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', recs[1]['step_mode']
-    assert abs(recs[0]['final_loss'] - recs[1]['final_loss']) < 1e-3 * abs(recs[0]['final_loss'])
+    # what the two runs were, in the message of any failure below (eager first)
+    seen = {k: [r.get(k) for r in recs] for k in ('status', 'error', 'step_mode', 'route', 'dqkwg', 'final_loss')}
+    assert recs[0]['status'] == recs[1]['status'] == 'ok', seen
+    assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', seen
+    assert abs(recs[0]['final_loss'] - recs[1]['final_loss']) < 1e-3 * abs(recs[0]['final_loss']), seen
 
 
 def test_evaluate_builds_no_autograd_graph():
