@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
-"""The chunk benchmark's report on any machine: its plot redrawn from a results JSON (--plot-only), and forward-only
-rules (falcon3) in its tables."""
+"""The chunk benchmark's report on any machine: its plot (--plot-only) and its tables (--report-only) rebuilt from a
+results JSON, targets judged on the device time, and forward-only rules in its tables."""
 
 import json
 import shutil
@@ -33,3 +33,18 @@ def test_report_with_a_forward_only_rule(tmp_path, monkeypatch):
     assert '| falcon3 | 2.000 | - |' in text
     assert '| falcon3 | chunk_gated_delta_rule |' in text and '(forward only)' in text
     assert (tmp_path / 'chunk.md').exists() and (tmp_path / 'chunk.png').exists()
+
+
+def test_report_only_judges_targets_on_device_time(tmp_path):
+    # a rule whose do_bench ratio (host time included) is under its target but whose CUDA-graph ratio is over it
+    data = json.loads((ROOT / 'benchmarks' / 'results' / 'chunk.json').read_text())
+    row = data['results'][0]
+    base = row['ms']['chunk_simple_gla']
+    row['ms']['falcon3a'] = {'fwd': base['fwd'], 'fwd+bwd': base['fwd+bwd'] * 1.1,
+                             'fwd+bwd graph': base['fwd+bwd graph'] * 1.5}
+    row['ratio']['falcon3a'] = {'fwd': 1.0, 'fwd+bwd': 1.1, 'fwd+bwd graph': 1.5}
+    (tmp_path / 'chunk.json').write_text(json.dumps(data))
+    bc.main(['--report-only', '--out', str(tmp_path)])
+    md = (tmp_path / 'chunk.md').read_text()
+    assert '| falcon3a | chunk_simple_gla | 1.00x | 1.10x | 1.50x | <= 1.3x (missed) |' in md
+    assert (tmp_path / 'chunk.png').exists()
