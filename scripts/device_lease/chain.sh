@@ -14,6 +14,10 @@
 #             one run in flight per model), e.g. "--models falcon1a transformer --lr 1e-3; --models gdn --lr 5e-4";
 #             all sets at once on cores 8-15 beside MODELS, results in /tmp/L/probe/<i>/ (kept by step.sh)
 #   RESUME    a folder of earlier runs/*.json to start from (copied into /tmp/L/paper/runs)
+#   PAPER_MPS 1: the paper runs go through CUDA MPS (nvidia-cuda-mps-control, when the machine has it), so that the
+#             kernels of several small runs share the GPU at once instead of taking turns (without it the GPU
+#             time-slices between processes: in the twelfth lease, 4 runs beside the tests each trained 1.3-4.3x
+#             longer than the same model's seed-0 run); the tests stay outside
 #   PRE_BENCH arguments of benchmarks/benchmark_chunk.py run first, before TESTS and MODELS (the GPU to itself
 #             but for WARM's few steps), e.g. a --profile of the chunk kernels; output in /tmp/L/prebench
 #   ACCURACY  run benchmarks/accuracy_chunk.py (bf16 forward error vs fp64) after PRE_BENCH with these
@@ -82,8 +86,18 @@ if [ -n "${MODELS:-}" ]; then
     stage "paper"
     mkdir -p $L/paper/runs
     [ -n "${RESUME:-}" ] && cp "$RESUME"/*.json $L/paper/runs/ 2>/dev/null
-    taskset -c ${PAPER_CORES:-4-7} python3 -m evals.addition --preset paper --models $MODELS --jobs ${JOBS:-2} --threads 2 \
-        --resume --time-budget $(budget) --no-progress --out $L/paper > $L/paper.log 2>&1
+    MPS_ENV=()
+    if [ "${PAPER_MPS:-0}" = 1 ]; then
+        if command -v nvidia-cuda-mps-control >/dev/null; then
+            mkdir -p /tmp/mps /tmp/mps-log
+            CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log nvidia-cuda-mps-control -d \
+                && MPS_ENV=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log) && stage "mps on"
+        else
+            stage "mps: no nvidia-cuda-mps-control"
+        fi
+    fi
+    env "${MPS_ENV[@]}" taskset -c ${PAPER_CORES:-4-7} python3 -m evals.addition --preset paper --models $MODELS \
+        --jobs ${JOBS:-2} --threads 2 --resume --time-budget $(budget) --no-progress --out $L/paper > $L/paper.log 2>&1
 fi
 wait
 if [ -n "${BENCH:-}" ]; then
