@@ -51,13 +51,13 @@ def lift_fla_guard() -> bool:
     return bool(guarded)
 
 
-def make_cases(B, T, H, K, V, window, recurrent=()):
+def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
     from fla.ops.delta_rule import chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gla import chunk_gla
     from fla.ops.simple_gla import chunk_simple_gla
 
-    dev, dt = 'cuda', torch.bfloat16
+    dev, dt = device, torch.bfloat16
     torch.manual_seed(0)
     q = torch.randn(B, T, H, K, device=dev, dtype=dt)
     k = F.normalize(torch.randn(B, T, H, K, device=dev, dtype=torch.float32), dim=-1).to(dt)

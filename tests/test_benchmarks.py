@@ -48,3 +48,16 @@ def test_report_only_judges_targets_on_device_time(tmp_path):
     md = (tmp_path / 'chunk.md').read_text()
     assert '| falcon3a | chunk_simple_gla | 1.00x | 1.10x | 1.50x | <= 1.3x (missed) |' in md
     assert (tmp_path / 'chunk.png').exists()
+
+
+def test_sweep_configs_compares_each_config_with_the_first(tmp_path):
+    # on the CPU (interpreter) the launch configs give the same results, and a config that changes the kernel's
+    # math (SHIFT=0: the same-step key) must show up as a difference
+    import sweep_configs as sc
+    rows = sc.sweep('falcon1', '_bwd_gates', (1, 80, 2, 32, 32),
+                    [dict(num_warps=4), dict(num_warps=8, num_stages=3), dict(BV=16), dict(SHIFT=0)],
+                    time=False, device='cpu' if not bc.torch.cuda.is_available() else 'cuda')
+    assert [r['max_rel_diff'] < 1e-6 for r in rows[:2]] == [True, True], rows
+    assert rows[2]['max_rel_diff'] < 1e-5, rows[2]   # another value-block width: the same sums, regrouped
+    assert rows[3]['max_rel_diff'] > 1e-2, rows[3]
+    assert all(r['outputs'] >= 4 for r in rows), rows
