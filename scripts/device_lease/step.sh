@@ -39,9 +39,10 @@ echo "=== prebench"; grep -E "ms |^## |^\| (_|chunk|fal)" $L/prebench.log 2>/dev
 echo "=== accuracy"; grep "^|" $L/accuracy.log $L/accuracy/*.md 2>/dev/null | tail -n 9
 echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
 echo "=== precmd"; tail -n 25 $L/precmd.log 2>/dev/null
+echo "=== sweep"; cat $L/sweep/*.md 2>/dev/null
 for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; done
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
-    chain.log stage tests* extra* precmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench 2>/dev/null
+    chain.log stage tests* extra* precmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep 2>/dev/null
 if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
     tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz

@@ -139,6 +139,30 @@ def _step_coefs(M, G, bos, r0, c0, i, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constex
     return b_mi, tl.exp(tl.minimum(b_gi - b_gp, 0.))
 
 
+@triton.jit
+def _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constexpr,
+              HV: tl.constexpr, V: tl.constexpr, BS: tl.constexpr):
+    """Step i of a block's forward substitution: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i, zero below),
+    rescaled by exp(G_i - G_{i-1}) per step; row i's residual is y_i minus the block's history
+    sum_j (x_i.x_j) b_w[j], and u_i = eta_i r_i."""
+    m_i = (o_b == i)[:, None]
+    b_mi, b_fi = _step_coefs(M, G, bos, r0, c0, i, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
+    b_ri = b_y - tl.sum(b_mi[:, None] * b_w, 0)[None, :]
+    return tl.where(m_i, b_ri, b_r), tl.where(m_i, b_eta * b_ri, b_w * b_fi[None, :])
+
+
+@triton.jit
+def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constexpr,
+              HV: tl.constexpr, V: tl.constexpr, BS: tl.constexpr):
+    """Step j of a block's backward substitution: drhs_j = du_j - sum_{t>j} (x_t.x_j) exp(Gx_t - G_j) eta_t drhs_t,
+    with b_z[t] = exp(Gx_t - G_j) eta_t drhs_t (t > j in the block, zero above), rescaled by exp(G_j - G_{j-1})
+    per step."""
+    m_j = (o_b == j)[:, None]
+    b_mj, b_fj = _step_coefs(M, G, bos, r0, c0, j, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
+    b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
+    return b_dr, tl.where(m_j, b_eta * b_dr, b_z * b_fj[None, :])
+
+
 # The sequential kernels' time is the latency of their row-by-row substitution (T / BS blocks of BS dependent steps,
 # each with a reduction across the [BS, BV] tile), not arithmetic: narrow value blocks on few warps step faster and
 # give more programs. At (4, 4096, 16, 128, 128) bf16 on the H200 (tenth lease's autotuning) _fwd_h_delta_col took
@@ -156,13 +180,14 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
+                     IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False):
     """Sequential over chunks: stores the chunk-start states h, solves (I + L_c) u_c = rhs_c for a block
     of value columns, stores the residual r (u = eta r), advances the state.
 
     The solve runs block by block (BS rows): the history of the earlier blocks reaches a row through the
     state at the end of the previous block, S_ref (a [BS, K] x [K, BV] product), so the row-by-row
-    forward substitution only covers the block's own rows, on [BS, BV] register tiles."""
+    forward substitution only covers the block's own rows, on [BS, BV] register tiles. UNROLL unrolls its steps
+    (an option for benchmarks/sweep_configs.py; not in the autotune list)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -188,17 +213,17 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
                 # the residual against the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
                 # (min: rows past the end read G = 0)
                 b_y = b_v - tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
-                # forward substitution, every column at once: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i,
-                # zero below), rescaled by exp(G_i - G_{i-1}) per step; row i's residual is y_i minus the block's
-                # history sum_j (x_i.x_j) b_w[j], and u_i = eta_i r_i
+                # forward substitution, every column at once (_fwd_step)
                 b_r = b_y
                 b_w = tl.zeros([BS, BV], dtype=tl.float32)
-                for i in range(BS):
-                    m_i = (o_b == i)[:, None]
-                    b_mi, b_fi = _step_coefs(M, G, bos, r0, i_t * BT, i, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
-                    b_ri = b_y - tl.sum(b_mi[:, None] * b_w, 0)[None, :]
-                    b_r = tl.where(m_i, b_ri, b_r)
-                    b_w = tl.where(m_i, b_eta * b_ri, b_w * b_fi[None, :])
+                if UNROLL:
+                    for i in tl.static_range(BS):
+                        b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv, o_b,
+                                             o_v, m_v, H, HV, V, BS)
+                else:
+                    for i in range(BS):
+                        b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv, o_b,
+                                             o_v, m_v, H, HV, V, BS)
                 tl.store(r + p_tv, b_r, mask=m_tv)
                 # now b_w[j] = exp(G_last - G_j) u_j: the block's write into the state
                 b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
@@ -213,14 +238,14 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
     plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
     dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs).
 
     Block by block in reverse, as the forward: b_e is the solve's gradient of the state at the end of the
     current block (the later blocks' rows reach its rows through it), so the backward substitution only
-    covers the block's own rows."""
+    covers the block's own rows. UNROLL as in _fwd_h_delta_col."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -253,16 +278,16 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
                 # the state path of du: u_j enters the state at the block's end through exp(G_last - G_j) x_j
                 b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_e.to(b_x.dtype)) * tl.exp(
                     b_Gl[None, :] - b_G)
-                # backward substitution: drhs_j = du_j - sum_{t>j} (x_t.x_j) exp(Gx_t - G_j) eta_t drhs_t. At step j,
-                # b_z[t] = exp(Gx_t - G_j) eta_t drhs_t (t > j in the block, zero above), rescaled by
-                # exp(G_j - G_{j-1}) per step (the block's first row: G_{j-1} = G_ref)
+                # backward substitution, rows in reverse (_bwd_step; the block's first row: G_{j-1} = G_ref)
                 b_z = tl.zeros([BS, BV], dtype=tl.float32)
-                for jj in range(BS):
-                    j = BS - 1 - jj
-                    m_j = (o_b == j)[:, None]
-                    b_mj, b_fj = _step_coefs(M, G, bos, r0, i_t * BT, j, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
-                    b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
-                    b_z = tl.where(m_j, b_eta * b_dr, b_z * b_fj[None, :])
+                if UNROLL:
+                    for jj in tl.static_range(BS):
+                        b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv,
+                                              o_b, o_v, m_v, H, HV, V, BS)
+                else:
+                    for jj in range(BS):
+                        b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv,
+                                              o_b, o_v, m_v, H, HV, V, BS)
                 tl.store(dr + p_tv, b_dr, mask=m_tv)
                 # now b_z = exp(Gx - G_ref) eta drhs: the gradient of the state before the block
                 b_e = b_e * tl.exp(b_Gl - b_Gr)[None, :] - tl.dot(tl.trans(b_x), b_z.to(b_x.dtype))
