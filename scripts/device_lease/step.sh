@@ -40,7 +40,7 @@ echo "=== accuracy"; grep "^|" $L/accuracy.log $L/accuracy/*.md 2>/dev/null | ta
 echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
 echo "=== precmd"; tail -n 25 $L/precmd.log 2>/dev/null
 echo "=== sweep"; cat $L/sweep/*.md 2>/dev/null
-echo "=== alt"; grep -E "^## |^\| (chunk|fal)" $L/alt/chunk.md $L/alt/chunk_profile.md 2>/dev/null | head -n 60
+echo "=== alt"; grep -E "^## |^\| (_|chunk|fal)" $L/alt/chunk.md $L/alt/chunk_profile.md 2>/dev/null | head -n 60
 for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; done
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
     chain.log stage tests* extra* precmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep alt 2>/dev/null
