@@ -88,9 +88,10 @@ if [ -n "${MODELS:-}" ]; then
     [ -n "${RESUME:-}" ] && cp "$RESUME"/*.json $L/paper/runs/ 2>/dev/null
     MPS_ENV=()
     if [ "${PAPER_MPS:-0}" = 1 ]; then
-        if command -v nvidia-cuda-mps-control >/dev/null; then
+        MPS=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
+        if [ -n "$MPS" ]; then
             mkdir -p /tmp/mps /tmp/mps-log
-            CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log nvidia-cuda-mps-control -d \
+            CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log "$MPS" -d \
                 && MPS_ENV=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log) && stage "mps on"
         else
             stage "mps: no nvidia-cuda-mps-control"
