@@ -91,8 +91,16 @@ if [ -n "${MODELS:-}" ]; then
         MPS=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
         if [ -n "$MPS" ]; then
             mkdir -p /tmp/mps /tmp/mps-log
-            CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log "$MPS" -d \
-                && MPS_ENV=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log) && stage "mps on"
+            export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+            # a client must get through it (a CUDA graph too), else the runs go without it
+            if "$MPS" -d && timeout 120 python3 -c "import torch; x = torch.ones(8, device='cuda'); g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g): y = x * 2
+g.replay(); torch.cuda.synchronize(); assert y.sum().item() == 16"; then
+                MPS_ENV=(CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log) && stage "mps on"
+            else
+                echo quit | "$MPS"; stage "mps: a client failed; the runs go without it"
+            fi
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
         else
             stage "mps: no nvidia-cuda-mps-control"
         fi
