@@ -24,6 +24,7 @@
 #             arguments ("-" for its defaults); output in /tmp/L/accuracy
 #   PRE_CMD   a shell command run after PRE_BENCH/ACCURACY, before TESTS and MODELS (the GPU to itself), output in
 #             /tmp/L/precmd.log; e.g. tests and a timing of files carried untracked from a work-in-progress branch
+#   SIDE_CMD  a shell command run beside TESTS and MODELS (after PRE_CMD; the GPU shared), output in /tmp/L/sidecmd.log
 #   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
 set -x
 L=/tmp/L
@@ -58,6 +59,9 @@ if [ -n "${PRE_CMD:-}" ]; then
     stage "pre-cmd"
     eval "$PRE_CMD" > $L/precmd.log 2>&1
     stage "pre-cmd done"
+fi
+if [ -n "${SIDE_CMD:-}" ]; then
+    ( stage "side-cmd"; eval "$SIDE_CMD" > $L/sidecmd.log 2>&1; stage "side-cmd done" ) &
 fi
 (
   if [ -n "${TESTS:-}" ]; then

@@ -25,7 +25,7 @@ for x in scripts/device_lease/extra*.sh; do
     (cd /tmp/b_$n && setsid bash "$x" > $L/$n.log 2>&1 < /dev/null &)
 done
 end=$((SECONDS + S))
-while [ $SECONDS -lt $end ] && ! grep -q " done$" <(tail -n 1 $L/stage 2>/dev/null); do
+while [ $SECONDS -lt $end ] && ! grep -qE "^[0-9:]+ done$" <(tail -n 1 $L/stage 2>/dev/null); do
     sleep 60
     echo "--- $(date +%T) $(ls $L/paper/runs 2>/dev/null | grep -vc spec) runs done;" \
          "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader); $(tail -n 1 $L/stage 2>/dev/null)"
@@ -39,11 +39,12 @@ echo "=== prebench"; grep -E "ms |^## |^\| (_|chunk|fal)" $L/prebench.log 2>/dev
 echo "=== accuracy"; grep "^|" $L/accuracy.log $L/accuracy/*.md 2>/dev/null | tail -n 9
 echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
 echo "=== precmd"; tail -n 25 $L/precmd.log 2>/dev/null
+echo "=== sidecmd"; tail -n 15 $L/sidecmd.log 2>/dev/null
 echo "=== sweep"; cat $L/sweep/*.md 2>/dev/null
 echo "=== alt"; grep -E "^## |^\| (_|chunk|fal)" $L/alt/chunk.md $L/alt/chunk_profile.md 2>/dev/null | head -n 60
 for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; done
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
-    chain.log stage tests* extra* precmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep alt 2>/dev/null
+    chain.log stage tests* extra* precmd.log sidecmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep alt 2>/dev/null
 if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
     tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
