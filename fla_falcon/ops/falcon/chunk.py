@@ -208,10 +208,21 @@ def _gate(b_beta, b_lp, b_den, valid, eps_gamma):
 def _gates(b_x, beta, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, eps_gamma,
            HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr):
     """Per-row gates of the scalar-gain rules: (E, lam', den, eta, alpha, clamped, g) in fp32."""
-    b_E, b_lp, b_den = _stats(b_x, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+    b_E = tl.sum(b_x * b_x, 1)
+    b_lp, b_den, b_eta, b_a, clamped, b_g = _gates_e(b_E, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma,
+                                                     HAS_LAM, LAM_COUPLED)
+    return b_E, b_lp, b_den, b_eta, b_a, clamped, b_g
+
+
+@triton.jit
+def _gates_e(b_E, beta, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, eps_gamma,
+             HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr):
+    """_gates from a given energy E (summed over key blocks, or falcon3a's window energy): (lam', den, eta, alpha,
+    clamped, g)."""
+    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
     b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
-    return b_E, b_lp, b_den, b_eta, b_a, clamped, b_g
+    return b_lp, b_den, b_eta, b_a, clamped, b_g
 
 
 @triton.jit
@@ -359,9 +370,8 @@ def _win_gates(k, last_k, count, tail_x, beta, lam, E, i_n, i_h, i_hv, bos, o_t,
         b_E = tl.load(E + (bos + o_t) * H + i_h, mask=valid, other=0)
     else:
         b_E = b_sq * b_rB
-    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
-    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    b_lp, b_den, b_eta, b_a, clamped, b_g = _gates_e(b_E, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma,
+                                                     HAS_LAM, LAM_COUPLED)
     return valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g
 
 
@@ -1113,9 +1123,8 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, A, dP, dx, dG, dw, du, dv, dk,
         b_dWX += tl.dot(b_dw, tl.trans(b_x))
         b_XX += tl.dot(b_x, tl.trans(b_x))
         b_db += tl.sum(tl.dot(b_At, b_dw) * b_xf, 1)
-    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
-    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    b_lp, b_den, b_eta, b_a, clamped, b_g = _gates_e(b_E, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma,
+                                                     HAS_LAM, LAM_COUPLED)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_Gx = b_G - b_g
     b_b = b_eta * tl.exp(b_Gx)
@@ -1654,9 +1663,8 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
     b_rB = tl.load(rBw + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_E = tl.load(Ew + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     valid = m_t & (b_rB > 0)
-    b_lp, b_den = _ridge(b_E, lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=valid, other=0).to(tl.float32)
-    b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp, b_den, valid, eps_gamma)
+    b_lp, b_den, b_eta, b_a, clamped, b_g = _gates_e(b_E, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma,
+                                                     HAS_LAM, LAM_COUPLED)
     b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_dc * b_rB, b_lp, b_den, b_eta, b_a, clamped, valid)
     _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
