@@ -409,7 +409,8 @@ def test_chunked_torch_gated_delta_rule_matches_fla_recurrence(T, chunk_size, so
 
     with torch.no_grad():   # the fp64 loop is fla's recurrence (fla's own runs in fp32)
         o32, h32 = naive_recurrent_gated_delta_rule(*(t.float() for t in inputs[:3]), inputs[4].float(),
-                                                    inputs[3].float(), initial_state=h0.float(), output_final_state=True)
+                                                    inputs[3].float(), initial_state=h0.float(),
+                                                    output_final_state=True)
         o64, h64 = recurrence(*inputs)
         assert _rel_err(o64.float(), o32) < 1e-5 and _rel_err(h64.float(), h32) < 1e-5
     ref = recurrence(*inputs)
@@ -657,7 +658,9 @@ def test_cuda_graph_training_matches_eager(tmp_path, model, bf16):
                     eval_samples=8, eval_batch_size=8, cuda_graph=graph, bf16=bf16)
         recs.append(_run_in_worker(spec, tmp_path / f"graph{int(graph)}"))
     # what the two runs were, in the message of any failure below (eager first)
-    seen = {k: [r.get(k) for r in recs] for k in ('status', 'error', 'step_mode', 'route', 'dqkwg', 'final_loss')}
+    # (a string: pytest shortens a dict's repr, and the twelfth and thirteenth leases lost the reason to that)
+    seen = json.dumps({k: [r.get(k) for r in recs]
+                       for k in ('status', 'reason', 'step_mode', 'final_loss', 'route', 'dqkwg')}, default=str)
     assert recs[0]['status'] == recs[1]['status'] == 'ok', seen
     assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', seen
     assert abs(recs[0]['final_loss'] - recs[1]['final_loss']) < 1e-3 * abs(recs[0]['final_loss']), seen
