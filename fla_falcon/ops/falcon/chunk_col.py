@@ -170,7 +170,12 @@ def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_
 # With the step coefficients loaded from memory (_step_coefs; eleventh lease, GPU shared with other jobs, so only
 # the ratios count) BV = 32 on 4 warps was the fastest: 2.4x the old kernel's time at that config, 1.3x its best.
 # (BV = 32 on 2 warps spills 0.3-3.7 KB per thread, aot_check sm_90; BV = 16 on 2 warps at most 232 B.)
-CONFIGS_COL_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=2) for bv, w in ((64, 4), (32, 4), (16, 2), (16, 1))]
+# UNROLL (the substitution's BS steps unrolled): in the thirteenth lease's sweep (benchmarks/sweep_configs.py, GPU
+# shared with six training runs, so ratios only; outputs equal to the loop's within 4e-7) it took _fwd_h_delta_col
+# from 9.05 to 4.37 ms at BV = 32 / 4 warps and from 6.25 to 4.14 at BV = 16 / 2 warps, _bwd_dhu_delta_col from
+# 7.49 to 6.80 and 12.6 to 10.0; at BV = 64 the unrolled forward was slower (6.69 against 5.90 ms).
+CONFIGS_COL_H = [triton.Config({'BV': bv, 'UNROLL': u}, num_warps=w, num_stages=2)
+                 for bv, w, u in ((64, 4, False), (32, 4, True), (16, 2, True), (16, 1, False))]
 
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
@@ -187,7 +192,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
     The solve runs block by block (BS rows): the history of the earlier blocks reaches a row through the
     state at the end of the previous block, S_ref (a [BS, K] x [K, BV] product), so the row-by-row
     forward substitution only covers the block's own rows, on [BS, BV] register tiles. UNROLL unrolls its steps
-    (an option for benchmarks/sweep_configs.py; not in the autotune list)."""
+    (per autotune config, see CONFIGS_COL_H)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
