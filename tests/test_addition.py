@@ -4,6 +4,7 @@ evals.addition.torch_path against what they replace, one training step of a tiny
 data-parallel run under torchrun."""
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -504,6 +505,23 @@ def test_one_training_step_tiny_falcon(restore_patches):
     assert trained[0]['final_loss'] == rec['final_loss'] and trained[0]['loss_curve'] == rec['loss_curve']
 
 
+def test_failed_run_records_reason_and_where(monkeypatch, restore_patches):
+    # a run that raises in training ends with status 'failed', the error and the frames it came from (the GPU's
+    # asynchronous errors need the latter to be placed)
+    import evals.addition.train as train
+
+    def broken_loss(*args, **kwargs):
+        raise RuntimeError('boom')
+    monkeypatch.setattr(train, 'answer_loss', broken_loss)
+    spec = dict(model='falcon1a', seed=0, device=DEVICE, kernels='torch' if DEVICE == 'cpu' else 'auto',
+                size=dict(hidden=16, layers=1, heads=2, intermediate=32), train_min=1, train_max=2, test_min=3,
+                test_max=3, steps=2, batch_size=4, lr=1e-3, warmup=1, weight_decay=0.0, eval_samples=3,
+                eval_batch_size=3)
+    rec = train.run(spec, progress=False)
+    assert rec['status'] == 'failed' and rec['reason'] == 'RuntimeError: boom'
+    assert rec['where'][-1].endswith('broken_loss') and any(w.endswith(' run') for w in rec['where'])
+
+
 @pytest.mark.parametrize('model', ['falcon1a', 'transformer'])
 def test_bf16_autocast_run(model, restore_patches):
     # --bf16: the forward pass and loss under bf16 autocast, fp32 weights and optimizer; the run records it
@@ -619,14 +637,14 @@ def test_graphed_step_padding_keeps_the_loss(restore_patches):
     assert max(_rel_err(a, b_) for a, b_ in zip(p0, p1)) < tol
 
 
-def _run_in_worker(spec: dict, folder: Path) -> dict:
+def _run_in_worker(spec: dict, folder: Path, env: dict | None = None) -> dict:
     """One run through the harness's worker entry point (`python -m evals.addition --worker SPEC RESULT`)."""
     folder.mkdir(parents=True)
     spec_path, res_path = folder / 'spec.json', folder / 'result.json'
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, '-m', 'evals.addition', '--worker', str(spec_path), str(res_path),
                            '--no-progress'], capture_output=True, text=True, timeout=900,
-                          cwd=str(Path(__file__).resolve().parents[1]))
+                          cwd=str(Path(__file__).resolve().parents[1]), env=env)
     assert proc.returncode == 0 and res_path.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(res_path.read_text())
 
@@ -650,7 +668,9 @@ def test_cuda_graph_training_matches_eager(tmp_path, model, bf16):
     its own worker process, as the harness runs them: on the H200 (torch 2.11) the first torch.manual_seed after a
     run that captured a CUDA graph, in the same process, faulted with an illegal memory access (ninth and tenth
     leases; also with every graph kept alive)."""
-    size = dict(hidden=32, layers=1, heads=2, intermediate=64)
+    # the paper preset's head size (64): at 16 (hidden 32, 2 heads) the fp32 GatedDeltaNet and Mamba-2 runs faulted
+    # with an illegal memory access on the H200, eager as well (thirteenth lease; test_gpu_small_heads_fp32 below)
+    size = dict(hidden=128, layers=1, heads=2, intermediate=128)
     recs = []
     for graph in (False, True):
         spec = dict(model=model, seed=0, device='cuda', kernels='auto', size=size, train_min=1, train_max=4,
@@ -664,6 +684,20 @@ def test_cuda_graph_training_matches_eager(tmp_path, model, bf16):
     assert recs[0]['status'] == recs[1]['status'] == 'ok', seen
     assert recs[0]['step_mode'] == 'eager' and recs[1]['step_mode'] == 'cuda_graph', seen
     assert abs(recs[0]['final_loss'] - recs[1]['final_loss']) < 1e-3 * abs(recs[0]['final_loss']), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('model', ['gdn', 'mamba2'])
+def test_gpu_small_heads_fp32(tmp_path, model):
+    """GatedDeltaNet and Mamba-2 with 16-wide heads in fp32 on their GPU route: in the thirteenth lease both runs
+    (eager, with and without TF32) ended with "CUDA error: an illegal memory access" before the route's first
+    chunk_bwd_dqkwg check was recorded, while bf16 at this size and fp32 at the paper preset's 64-wide heads trained.
+    The worker runs with CUDA_LAUNCH_BLOCKING=1, so the record's `where` names the faulting op."""
+    spec = dict(model=model, seed=0, device='cuda', kernels='auto', size=dict(hidden=32, layers=1, heads=2,
+                intermediate=64), train_min=1, train_max=4, test_min=5, test_max=5, steps=8, batch_size=8, lr=1e-3,
+                warmup=2, weight_decay=0.1, eval_samples=8, eval_batch_size=8, cuda_graph=False, bf16=False)
+    rec = _run_in_worker(spec, tmp_path / 'run', env=dict(os.environ, CUDA_LAUNCH_BLOCKING='1'))
+    assert rec['status'] == 'ok', json.dumps({k: rec.get(k) for k in ('status', 'reason', 'where', 'route', 'dqkwg')})
 
 
 def test_evaluate_builds_no_autograd_graph():

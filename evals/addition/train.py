@@ -7,6 +7,7 @@ import math
 import queue
 import threading
 import time
+import traceback
 import warnings
 
 import torch
@@ -343,7 +344,11 @@ def run(spec: dict, position: int = 0, progress: bool = True, on_trained=None) -
         bar.close()
         if batches is not None:
             batches.close()
-        return dict(record, status='failed', reason=f"{type(e).__name__}: {e}",
+        # where it failed: an asynchronous CUDA error ("illegal memory access") names only the call that noticed it;
+        # CUDA_LAUNCH_BLOCKING=1 in the worker's environment makes that the faulting op
+        where = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                 for f in traceback.extract_tb(e.__traceback__)[-6:]]
+        return dict(record, status='failed', reason=f"{type(e).__name__}: {e}", where=where,
                     train_time_s=time.perf_counter() - start)
     bar.close()
     if torch_path.DQKWG_CHECKS:   # which chunk_bwd_dqkwg the route ran, per kind of call, and its check
