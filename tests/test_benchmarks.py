@@ -61,3 +61,20 @@ def test_sweep_configs_compares_each_config_with_the_first(tmp_path):
     assert rows[2]['max_rel_diff'] < 1e-5, rows[2]   # another value-block width: the same sums, regrouped
     assert rows[3]['max_rel_diff'] > 1e-2, rows[3]
     assert all(r['outputs'] >= 4 for r in rows), rows
+
+
+def test_diag_rows_locates_errors(tmp_path, capsys):
+    # scripts/diag_rows.py: fp32 kernels on bf16-rounded inputs agree with the reference to rounding, bf16 kernels
+    # show their rounding, spread over the rows; the JSON has every output and gradient
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import diag_rows
+    out = tmp_path / 'diag.json'
+    diag_rows.main(['--rule', 'falcon3a', '--T', '40', '--H', '1', '--K', '16', '--V', '16', '--window', '3',
+                    '--cu', '0,15,40', '--chunk', '16', '--also-fp32', '--out', str(out),
+                    '--device', 'cuda' if bc.torch.cuda.is_available() else 'cpu'])
+    rep = json.loads(out.read_text())
+    bf16, fp32 = ({r['name']: r for r in rep['runs'][k]} for k in ('bf16', 'fp32-of-bf16'))
+    assert {'o', 'dq', 'dk', 'dv', 'dbeta', 'dS0', 'dtail_x'} <= set(bf16) == set(fp32)
+    assert all(r['ratio'] < 5e-3 for r in fp32.values()), fp32
+    assert 1e-4 < bf16['dq']['ratio'] < 2e-2 and len(bf16['dq']['worst_rows']) == 8
+    assert bf16['dq']['boundary_rows'] > 0 and 'falcon3a bf16' in capsys.readouterr().out
