@@ -19,6 +19,7 @@ and chunk.png from chunk.json, `--plot-only` chunk.png alone, on any machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import faulthandler
 import json
 import os
@@ -29,13 +30,15 @@ import fla_falcon  # noqa: F401  (before fla)
 import torch
 import torch.nn.functional as F
 
+import fla_falcon.ops.falcon.chunk as _chunk
 from fla_falcon.ops.falcon.chunk import SUPPORTED_RULES, chunk_falcon
 from fla_falcon.ops.falcon.fused_recurrent import fused_recurrent_falcon
 
 TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon2': ('chunk_gated_delta_rule', 1.5),
            'falcon3': ('chunk_gated_delta_rule', 2.0),
            'falcon1a': ('chunk_simple_gla', 1.0),
-           'falcon2a': ('chunk_simple_gla', 1.2), 'falcon3a': ('chunk_simple_gla', 1.3)}
+           'falcon2a': ('chunk_simple_gla', 1.2), 'falcon3a': ('chunk_simple_gla', 1.3),
+           'falcon3a-gather': ('chunk_simple_gla', 1.3), 'falcon3a-fold': ('chunk_simple_gla', 1.3)}
 DEFAULT_SHAPES = ['4,4096,16,128,128', '1,16384,16,128,128']
 # rules with a chunk forward only (none now; falcon3 was until its backward came): timed forward only
 FORWARD_ONLY = tuple(getattr(chunk_falcon, 'forward_only_rules', ()))
@@ -49,6 +52,11 @@ def lift_fla_guard() -> bool:
     if guarded:
         chunk_o.TRITON_ABOVE_3_7_1 = True
     return bool(guarded)
+
+
+# falcon3a's band in the backward as the package has it (fla_falcon.ops.falcon.chunk.BAND_FORM); the other form is
+# timed as the op falcon3a-<form>
+BAND_FORM = _chunk.BAND_FORM
 
 
 def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
@@ -77,10 +85,19 @@ def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
         'chunk_delta_rule': lambda: chunk_delta_rule(q, k, v, beta)[0],
         'chunk_gla': lambda: chunk_gla(q, k, v, g_col)[0],
     }
+    def falcon(rule, b, w, band=BAND_FORM):
+        # falcon3a's band form is read when its backward runs: each case runs its forward and backward before the
+        # next one starts, so setting it here holds for both
+        _chunk.BAND_FORM = band
+        return chunk_falcon(q, k, v, b, lam, rule=rule, window=w)[0]
+
     for rule in RULES:
         b = beta_col if rule.startswith('falcon2') else beta
         w = window if rule.startswith('falcon3') else 1
-        cases[rule] = (lambda rule=rule, b=b, w=w: chunk_falcon(q, k, v, b, lam, rule=rule, window=w)[0])
+        cases[rule] = functools.partial(falcon, rule, b, w)
+    if 'falcon3a' in RULES:   # falcon3a with its band's backward in the other form
+        other = 'gather' if BAND_FORM == 'fold' else 'fold'
+        cases[f'falcon3a-{other}'] = functools.partial(falcon, 'falcon3a', beta, window, other)
     # the token-by-token kernel of the same rule, for the chunk kernels' speed-up over it (issue 5)
     for rule in recurrent:
         b = beta_col if rule.startswith('falcon2') else beta

@@ -143,12 +143,17 @@ def main(argv=None) -> int:
     p.add_argument('--seqlen', type=int, default=130, help='T (multiples of 16 specialize differently)')
     p.add_argument('--heads', type=int, default=2)
     p.add_argument('--chunk-size', type=int, default=64, help='chunk_falcon chunk size')
+    p.add_argument('--band-form', choices=['fold', 'gather'], default=None,
+                   help="falcon3a's band in the backward (fla_falcon.ops.falcon.chunk.BAND_FORM; default: its value)")
     p.add_argument('--decode', action='store_true',
                    help='only the decode step: T = 1 with a full-window initial state and the final state, no grad')
     args = p.parse_args(argv)
     import fla_falcon  # noqa: F401  (fla sees no GPU: its CPU code paths; the kernels compile for the target)
     from fla_falcon.ops.falcon import RULES, chunk_falcon, fused_recurrent_falcon
     from fla_falcon.ops.falcon.utils import FalconState, rule_info
+    if args.band_form:
+        import fla_falcon.ops.falcon.chunk as ch
+        ch.BAND_FORM = args.band_form
     install(args.arch)
 
     print(f"Triton {triton.__version__}, target sm_{args.arch}")

@@ -309,22 +309,31 @@ def test_gpu_large_heads(rule, dtype, K, device):
 # falcon3a: the window W (pairs before a chunk come from the previous chunk or the carried tail)
 # ----------------------------------------------------------------------------------------------
 
+@pytest.fixture(params=['fold', 'gather'])
+def band_form(request, monkeypatch):
+    """Both backward forms of falcon3a's band (chunk.BAND_FORM): in the GLA's score products, or row by row in its
+    own kernel."""
+    import fla_falcon.ops.falcon.chunk as ch
+    monkeypatch.setattr(ch, 'BAND_FORM', request.param)
+    return request.param
+
+
 @pytest.mark.parametrize('window, T, chunk_size', [
     (1, 65, 16), (2, 130, 64), (2, 63, 16), (4, 1, 16), (4, 65, 64), (8, 63, 64), (8, 65, 16)])
-def test_falcon3a_windows(window, T, chunk_size, device):
+def test_falcon3a_windows(window, T, chunk_size, band_form, device):
     # grouped value heads (HV = 2H); initial states with a full tail and a fresh one
     inputs = make_inputs('falcon3a', 2, T, 1, 2, 16, 16, 'on', True, device, window=window)
     check(run_both('falcon3a', *inputs, torch.float32, chunk_size=chunk_size, window=window), torch.float32)
 
 
-def test_falcon3a_wide_values(device):
+def test_falcon3a_wide_values(band_form, device):
     # V = 200: value blocks of 64 (and 32 in the backward), the last one masked, in the band kernels' value loops
     inputs = make_inputs('falcon3a', 1, 40, 1, 1, 16, 200, 'on', True, device, window=4)
     check(run_both('falcon3a', *inputs, torch.bfloat16, chunk_size=16, window=4), torch.bfloat16)
 
 
 @pytest.mark.parametrize('shift, window', [(True, 4), (False, 8)])
-def test_falcon3a_varlen(shift, window, device):
+def test_falcon3a_varlen(shift, window, band_form, device):
     # short sequences (1 token, empty) next to ones spanning chunks; full, fresh and partial tails
     cu = torch.tensor([0, 1, 20, 20, 57, 90], device=device)
     inputs = make_inputs('falcon3a', 1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu, window=window)
@@ -350,6 +359,16 @@ def test_window8_segments(rule, cuts, shift, device):
         assert_close(name, a.double(), b.double(), SAME_OP_RATIO[device])
 
 
+def test_falcon3a_band_form_checked(monkeypatch, device):
+    import fla_falcon.ops.falcon.chunk as ch
+    monkeypatch.setattr(ch, 'BAND_FORM', 'rows')
+    q, k, v, beta, lam, _ = make_inputs('falcon3a', 1, 20, 1, 1, 16, 16, 'on', False, device, window=3)
+    q.requires_grad_()
+    o, _ = chunk_falcon(q, k, v, beta, lam, rule='falcon3a', window=3, chunk_size=16)
+    with pytest.raises(ValueError, match='BAND_FORM'):
+        o.sum().backward()
+
+
 def test_falcon3a_window1_is_falcon1a(device):
     """falcon3a with W = 1 is falcon1a (outputs, state, every gradient), through its own kernels."""
     q, k, v, beta, lam, state = make_inputs('falcon1a', 1, 40, 1, 2, 16, 16, 'on', True, device)
@@ -367,14 +386,14 @@ def test_falcon3a_window1_is_falcon1a(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize('window', [2, 8])
-def test_gpu_falcon3a_long(window, dtype, device):
+def test_gpu_falcon3a_long(window, dtype, band_form, device):
     inputs = make_inputs('falcon3a', 2, 1000, 2, 2, 64, 64, 'on', True, device, window=window)
     check(run_both('falcon3a', *inputs, dtype, window=window), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('shift', [True, False])
-def test_gpu_falcon3a_bf16_heads128_varlen(shift, device):
+def test_gpu_falcon3a_bf16_heads128_varlen(shift, band_form, device):
     cu = torch.tensor([0, 5, 611, 1000], device=device)
     inputs = make_inputs('falcon3a', 1, 1000, 2, 1, 128, 128, 'coupled', True, device, cu_seqlens=cu, window=8)
     check(run_both('falcon3a', *inputs, torch.bfloat16, lam_mode='coupled', shift=shift, cu_seqlens=cu, window=8),

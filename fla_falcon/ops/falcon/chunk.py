@@ -797,15 +797,17 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
 # backward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND_GATHER', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  SHIFT: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                  SHIFT: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  BAND_GATHER: tl.constexpr = False):
     """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO (falcon3a: on its
-    delayed GLA rows, and the band's value gradient of those rows' pairs into dvb, see below)."""
+    delayed GLA rows, and the band's value gradient of those rows' pairs into dvb, see below; with BAND_GATHER that is
+    _win_bwd_band's)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -827,7 +829,7 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
     b_do = tl.load(do + p_tv, mask=m_tv, other=0)
     b_du = tl.dot(b_st.to(b_do.dtype), b_do)
     tl.store(du + p_tv, b_du, mask=m_tv)
-    if WIN > 1:
+    if WIN > 1 and not BAND_GATHER:
         # falcon3a's band, seen from the pairs: the pair of delayed row tau is in the band of the rows t = tau - W + 1
         # .. tau - 1 with weight Mb[t, d], d = t - tau + W - 1, and gets scale Mb[t, d] (q_t.x'_tau) do_t. Those rows
         # are this chunk's (the scores X' Q^T above) or the W - 1 rows before it (a [BT, 16] block)
@@ -905,22 +907,24 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
 
 
 # restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local left in dv
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'IS_VARLEN'],
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND_GATHER',
+                                          'IS_VARLEN'],
                  restore_value=['dv'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-             dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, scale, eps, eps_gamma,
+             dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
              LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-             HAS_FINAL: tl.constexpr = False):
+             HAS_FINAL: tl.constexpr = False, BAND_GATHER: tl.constexpr = False):
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
     the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
     (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dv),
-    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates)."""
+    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). With BAND_GATHER the
+    band's dq, dx', dv' and dMb come from _win_bwd_band (dqb, dxb, dv, dMb) and are added here."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -943,7 +947,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_dst = tl.zeros([BT, BT], dtype=tl.float32)
     b_deta = tl.zeros([BT], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
-    if WIN > 1:
+    if WIN > 1 and not BAND_GATHER:
         # falcon3a's band beyond the chunk's [BT, BT] scores: for its rows, the last W - 1 pairs o_e of the chunk (their
         # delayed rows lie past it, see _fwd_o); for its delayed rows, the W - 1 rows o_r before the chunk
         o_j = tl.arange(0, 16)
@@ -980,7 +984,9 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
                 # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too)
                 b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_v.to(b_q.dtype)))
                 if WIN > 1:
-                    b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)    # the band's part, from _bwd_dv_local
+                    # the band's part, from _bwd_dv_local (or _win_bwd_band)
+                    b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
+                if WIN > 1 and not BAND_GATHER:
                     b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
                                        USE_INITIAL_STATE)
                     b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
@@ -1005,7 +1011,13 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_xb = tl.zeros([BT], dtype=tl.float32)
     b_dM = tl.zeros([BT, 8], dtype=tl.float32)
     o_d = tl.arange(0, 8)
-    if WIN > 1:
+    if WIN > 1 and BAND_GATHER:
+        b_dM = tl.load(dMb + ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :],
+                       mask=m_t[:, None] & (o_d < WIN - 1)[None, :], other=0)
+        if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step
+            b_fm = tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - o_d, mask=o_d < WIN - 1, other=0)
+            b_dM += tl.where((o_t == T - 1)[:, None], b_fm[None, :], 0.)
+    elif WIN > 1:
         # the band: scale Mb[t, d] on the same scores at s = t + W - 1 - d (see _fwd_o), so its dq and dx' ride on
         # the GLA's two products below; dMb[t, d] = scale (q_t.x'_s)(do_t.v'_s) there
         b_sd = b_dsw * tl.dot(b_q, tl.trans(b_x)) * scale
@@ -1025,10 +1037,12 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         b_xb = tl.sum(b_sd, 0)
     # dq first, stored before dx is formed: fewer [BT, BK] fp32 tiles live at once
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
-    if WIN > 1:
+    if WIN > 1 and not BAND_GATHER:
         b_dq += tl.dot((b_dse * b_be * scale).to(b_q.dtype), b_xe)
     # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_qb
+    if WIN > 1 and BAND_GATHER:   # the band's dq, after the GLA's decay gradient
+        b_dq += tl.load(dqb + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     if DELTA:
@@ -1046,7 +1060,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
     b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
     b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
-    if WIN > 1:
+    if WIN > 1 and not BAND_GATHER:
         # the rows before the chunk: scale Mb[r, d] (q_r.x'_s)(do_r.v'_s) at s = r + W - 1 - d
         b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
                        mask=m_r[:, None] & (o_k < K)[None, :], other=0)
@@ -1055,6 +1069,8 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         b_xb += tl.sum(b_dsr * tl.dot(b_x, tl.trans(b_qr)), 1)
     b_dG -= tl.sum(b_xf * b_dx, 1) - b_xb
     b_dG += tl.where(o_t == last, b_end, 0.)
+    if WIN > 1 and BAND_GATHER:   # the band's dx', after the GLA's decay gradient
+        b_dx += tl.load(dxb + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     if DELTA:
         tl.store(dx + p_tk, b_dx, mask=m_tk)
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
@@ -1589,6 +1605,96 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
 #                   energy; the first chunk also does the carried tail's pairs.
 # ----------------------------------------------------------------------------------------------
 
+# (4 warps spilled 96-800 B per thread at K = V = 128, aot_check sm_90; 8 warps none)
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.jit
+def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb, dMb, scale,
+                  cu_seqlens, chunk_indices, chunk_offsets, T,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                  USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """falcon3a's band in gather form (BAND_FORM = 'gather'): its part of the output is
+    o_t += scale sum_{d < W-1} Mb[t, d] (q_t.x_p) v_p, p = t - d, so per chunk, with row-by-row products instead
+    of [BT, BT] tiles: for the rows t, dMb[t, d] = scale (q_t.x_p)(do_t.v_p) and
+    dq_t = scale sum_d Mb[t, d] (do_t.v_p) x_p;
+    for the delayed GLA rows s (the pair p = s - W + 1, in the band of the rows r = p + d < s, some before the chunk),
+    dx'_s = scale sum_d Mb[r, d] (do_r.v_p) q_r and dv'_s = scale sum_d Mb[r, d] (q_r.x_p) do_r (fp32). The pairs with
+    no delayed row (the sequence's last W - 1) are _win_bwd_final's."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    o_d = tl.arange(0, 8)
+    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+    b_xs, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                              USE_INITIAL_STATE)
+    b_xs = b_xs.to(tl.float32)
+    # [BT, 8] per slot d: the key products a (rows: q_t.x_p) and a2 (pairs: q_r.x_p), Mb[t, d] and Mb[r, d]
+    b_a = tl.zeros([BT, 8], dtype=tl.float32)
+    b_a2 = tl.zeros([BT, 8], dtype=tl.float32)
+    b_w = tl.zeros([BT, 8], dtype=tl.float32)
+    b_w2 = tl.zeros([BT, 8], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        o_r = o_t - (WIN - 1) + d
+        m_r = m_t & (o_r >= 0)
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                       other=0).to(tl.float32)
+        b_a = tl.where(o_d[None, :] == d, tl.sum(b_q * b_xp.to(tl.float32), 1)[:, None], b_a)
+        b_a2 = tl.where(o_d[None, :] == d, tl.sum(b_qr * b_xs, 1)[:, None], b_a2)
+        b_w = tl.where(o_d[None, :] == d, tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None],
+                       b_w)
+        b_w2 = tl.where(o_d[None, :] == d, tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)[:, None],
+                        b_w2)
+    b_c2 = b_w2 * b_a2 * scale          # dv'_s = sum_d c2[s, d] do_r
+    # the value products b (rows: do_t.v_p) and b2 (pairs: do_r.v'_s), and dv', by value blocks
+    b_b = tl.zeros([BT, 8], dtype=tl.float32)
+    b_b2 = tl.zeros([BT, 8], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_vs = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+        for d in tl.static_range(WIN - 1):
+            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT,
+                               USE_INITIAL_STATE)
+            o_r = o_t - (WIN - 1) + d
+            m_r = m_t & (o_r >= 0)
+            b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
+                            mask=m_r[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
+            b_b += tl.where(o_d[None, :] == d, tl.sum(b_do * b_vp, 1)[:, None], 0.)
+            b_b2 += tl.where(o_d[None, :] == d, tl.sum(b_dor * b_vs, 1)[:, None], 0.)
+            b_dv += tl.sum(tl.where(o_d[None, :] == d, b_c2, 0.), 1)[:, None] * b_dor
+        tl.store(dvb + p_tv, b_dv, mask=m_tv)
+    p_td = ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :]
+    tl.store(dMb + p_td, b_a * b_b * scale, mask=m_t[:, None])
+    # dq (rows) and dx' (pairs), one [BT, BK] accumulator at a time
+    b_cq = b_w * b_b * scale
+    b_cx = b_w2 * b_b2 * scale
+    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        b_acc += tl.sum(tl.where(o_d[None, :] == d, b_cq, 0.), 1)[:, None] * b_xp.to(tl.float32)
+    p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
+    tl.store(dqb + p_tk, b_acc, mask=m_tk)
+    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        o_r = o_t - (WIN - 1) + d
+        m_r = m_t & (o_r >= 0)
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                       other=0).to(tl.float32)
+        b_acc += tl.sum(tl.where(o_d[None, :] == d, b_cx, 0.), 1)[:, None] * b_qr
+    tl.store(dxb + p_tk, b_acc, mask=m_tk)
+
+
 @triton.jit
 def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, fm, scale, cu_seqlens, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -1903,7 +2009,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-        dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, scale, eps, eps_gamma, cu_seqlens, ci, co, T,
+        dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
+        cu_seqlens, ci, co, T,
         DELTA=delta, WIN=0, **gates,
         **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
     if delta:
@@ -1915,7 +2022,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
 
 
 def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win,
-                 wm=None, dvb=None):
+                 wm=None, dvb=None, band_gather=False):
     """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
     the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0)."""
     B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
@@ -1929,7 +2036,8 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     else:
         _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win, **common)
+            q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
+            BAND_GATHER=band_gather, **common)
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -1938,6 +2046,12 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
     return du, dh, dh0
+
+
+# falcon3a's band in the backward: 'fold' adds it to the GLA's [BT, BT] score products in _bwd_dv_local and _bwd_dqx
+# (twelfth lease: those two took 921 + 226 us at (4, 4096, 16, 128, 128), against 591 + 99 before the band joined
+# them); 'gather' computes it row by row in its own kernel, _win_bwd_band, which they read (not yet timed on a GPU)
+BAND_FORM = 'fold'
 
 
 def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
@@ -1952,8 +2066,17 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     use_init = S0 is not None
     # dv' (rows of the delayed form, fp32): _bwd_dv_local writes the band's part, _bwd_dqx adds the GLA's
     dv32 = torch.empty(B, T, HV, V, **f32)
+    if BAND_FORM not in ('fold', 'gather'):
+        raise ValueError(f"BAND_FORM must be 'fold' or 'gather', got {BAND_FORM!r}")
+    gather = win > 1 and BAND_FORM == 'gather'
+    dqb = dxb = dMb = None
+    if gather:
+        dqb, dxb = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
+        dMb = torch.empty(B, T, HV, 8, **f32)
+        _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dv32, dMb, scale, cu, ci,
+                                    co, T, WIN=win, **dict(common, BV=min(BV, 32)))
     du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
-                               win, wm, dv32)
+                               win, wm, dv32, band_gather=gather)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     has_final = dht is not None and win > 1
     fx = fv = fm = None
@@ -1969,8 +2092,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
-        None, None, None, None, ds_buf, c, gl, wm, fm, yz, scale, eps, eps_gamma, cu, ci, co, T, DELTA=False, WIN=win,
-        HAS_FINAL=has_final, **gates, **dict(common, BV=min(BV, 32)))
+        None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
+        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND_GATHER=gather, **gates, **dict(common, BV=min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
