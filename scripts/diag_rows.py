@@ -65,10 +65,15 @@ def main(argv=None):
     p.add_argument('--chunk', type=int, default=64)
     p.add_argument('--top', type=int, default=8, help='worst rows listed per tensor')
     p.add_argument('--also-fp32', action='store_true', help='the same case in fp32 on the bf16-rounded inputs')
+    p.add_argument('--band-form', choices=('fold', 'gather'), default=None,
+                   help="falcon3a's band in the backward (chunk.BAND_FORM; default: the package's)")
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--out', default=None, help='write the report as JSON here')
     a = p.parse_args(argv)
     from test_chunk import make_inputs, run_both
+    if a.band_form:
+        import fla_falcon.ops.falcon.chunk as ch
+        ch.BAND_FORM = a.band_form
     cu = [int(x) for x in a.cu.split(',')] if a.cu else None
     cu_t = torch.tensor(cu, device=a.device) if cu else None
     inputs = make_inputs(a.rule, a.B, a.T, a.H, a.G, a.K, a.V, a.lam, True, a.device, cu_seqlens=cu_t,
