@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     base = rows[0]['o'] if rows[0]['op'].startswith('fla') else float('nan')
     for r in rows:
         r['o_vs_gdn'] = r['o'] / base
-    meta = dict(device=torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu (Triton interpreter)', torch=torch.__version__, triton=__import__('triton').__version__,
+    meta = dict(device=torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu (Triton interpreter)',
+                torch=torch.__version__, triton=__import__('triton').__version__,
                 shape=[B, T, H, K, V], dtype='bfloat16 inputs, fp32 state; reference fp64',
                 metric="fla.utils.get_err_ratio: RMS(tri - ref) / RMS(ref)", window_falcon3a=args.window)
     os.makedirs(args.out, exist_ok=True)

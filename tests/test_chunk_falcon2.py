@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
-"""chunk_falcon(rule='falcon2') (Triton, per-column delta rule) vs naive_recurrent_falcon(rule='falcon2') (fp64 autograd):
-outputs, final state and every gradient."""
+"""chunk_falcon(rule='falcon2') (Triton, per-column delta rule) vs naive_recurrent_falcon(rule='falcon2')
+(fp64 autograd): outputs, final state and every gradient."""
 
 import pytest
 import test_chunk as base

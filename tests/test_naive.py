@@ -97,7 +97,8 @@ def test_unclamped_step_descends(rule):
     n, K, V = 4000, 6, 4
     Bt = 3 if windowed else 1
     S = torch.randn(n, K, V, generator=g, dtype=torch.float64)
-    X = torch.randn(n, Bt, K, generator=g, dtype=torch.float64) * torch.rand(n, 1, 1, generator=g, dtype=torch.float64) * 3
+    X = (torch.randn(n, Bt, K, generator=g, dtype=torch.float64)
+         * torch.rand(n, 1, 1, generator=g, dtype=torch.float64) * 3)
     Y = torch.randn(n, Bt, V, generator=g, dtype=torch.float64)
     beta = 1.999 * torch.rand(n, *([V] if per_column else []), generator=g, dtype=torch.float64)
     # the a-rules need lam > 0 (a linear objective is unbounded below)
@@ -174,7 +175,8 @@ def test_state_count_and_tail(rule, window):
         assert (s.tail_x[0, 0, :window - 1 - pairs] == 0).all()
 
 
-@pytest.mark.parametrize('rule,window', [('falcon1', 1), ('falcon2', 1), ('falcon3', 4), ('falcon3a', 2), ('falcon2a', 1)])
+@pytest.mark.parametrize('rule,window', [('falcon1', 1), ('falcon2', 1), ('falcon3', 4), ('falcon3a', 2),
+                                         ('falcon2a', 1)])
 def test_varlen_equals_separate_sequences(rule, window):
     lens = [3, 1, 6, 0, 5]
     T = sum(lens)
@@ -214,15 +216,15 @@ def same_step_recurrence(rule, window, q, k, v, beta, lam, scale, eps=1e-6, eps_
                 lo = max(0, t - window + 1) if rule in ('falcon3', 'falcon3a') else t
                 X, Y = k[b, lo:t + 1, h], v[b, lo:t + 1, hv]
                 n = t + 1 - lo
-                l = lam[b, t, hv]
+                lam_t = lam[b, t, hv]
                 if rule == 'falcon3':
                     E = max(torch.linalg.eigvalsh(X @ X.T).tolist()) / n
                 elif rule == 'falcon3a':
                     E = float((X * X).sum()) / n
                 else:
                     E = float(X[0] @ X[0])
-                eta = beta[b, t, hv] / (E + l + eps)
-                gamma = 1 - torch.clamp(eta * l, max=1 - eps_gamma)
+                eta = beta[b, t, hv] / (E + lam_t + eps)
+                gamma = 1 - torch.clamp(eta * lam_t, max=1 - eps_gamma)
                 if rule in ('falcon1', 'falcon2'):
                     S = gamma * S + torch.outer(X[0], eta * (Y[0] - S.T @ X[0]))
                 elif rule in ('falcon1a', 'falcon2a'):
@@ -298,7 +300,8 @@ def test_gradcheck(rule, window, lam_coupled):
 def _energies(rule, window, k, state):
     """E_t of every step (B = 1, H = 1) for a continued sequence, from the keys and the carried tail."""
     T = k.shape[1]
-    xs = list(state.tail_x[0, 0, window - 1 - max(int(state.count[0]) - 1, 0):]) + [state.last_k[0, 0]] + list(k[0, :-1, 0])
+    xs = (list(state.tail_x[0, 0, window - 1 - max(int(state.count[0]) - 1, 0):]) + [state.last_k[0, 0]]
+          + list(k[0, :-1, 0]))
     n_before = len(xs) - T
     E = []
     for t in range(T):
@@ -312,7 +315,8 @@ def test_clamp_and_extremes_are_finite():
     k = k.clone()
     k[:, 3:6] = 0  # zero keys: E = 0
     beta = torch.full_like(beta, 1.999)
-    for rule, b in (('falcon2', beta), ('falcon1', beta[..., 0]), ('falcon3', beta[..., 0]), ('falcon3a', beta[..., 0])):
+    for rule, b in (('falcon2', beta), ('falcon1', beta[..., 0]), ('falcon3', beta[..., 0]),
+                    ('falcon3a', beta[..., 0])):
         window = 4 if rule in ('falcon3', 'falcon3a') else 1
         o, s = naive_recurrent_falcon(q, k, v, b, lam_t * 1e6 + 1e3, rule=rule, window=window, eps=0.0,
                                       output_final_state=True)
@@ -381,7 +385,8 @@ def _call(rule='falcon1', **over):
     (dict(cu_seqlens=[0, 4]), TypeError, 'cu_seqlens'),
     (dict(initial_state=torch.zeros(1, 4, 5, 3)), TypeError, 'initial_state'),
     (dict(initial_state=FalconState.zeros(2, 2, 4, 5, 3, dtype=torch.float64)), ValueError, 'initial_state.S'),
-    (dict(initial_state=FalconState.zeros(1, 2, 4, 5, 3, window=3, dtype=torch.float64)), ValueError, 'initial_state.tail_x'),
+    (dict(initial_state=FalconState.zeros(1, 2, 4, 5, 3, window=3, dtype=torch.float64)), ValueError,
+     'initial_state.tail_x'),
 ])
 def test_bad_input_names_the_argument(over, err, word):
     rule = over.pop('rule', 'falcon1')

@@ -18,7 +18,8 @@ is ~1000x slower), 'fla' on GPU. Where fla refuses its gated chunk backward (#64
 miscompiles one kernel, `chunk_bwd_dqkwg`), GatedDeltaNet and Mamba-2's SSD (fla's simple GLA) run fla's chunk
 kernels with that one kernel replaced (route 'fla+dqkwg'): our Triton version of it (`evals/addition/dqkwg.py`,
 without the miscompiled pattern), used for each kind of call after it matched the PyTorch stand-in
-(`torch_path.chunk_bwd_dqkwg_torch`, tested against fla's kernel) on that call's inputs, else the stand-in. `--kernels torch` keeps the PyTorch recurrences on a GPU too.
+(`torch_path.chunk_bwd_dqkwg_torch`, tested against fla's kernel) on that call's inputs, else the stand-in.
+`--kernels torch` keeps the PyTorch recurrences on a GPU too.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def build_model(name: str, size: dict, *, device: str = 'cpu', kernels: str = 'a
             from fla.models import DeltaNetConfig
             # fla's chunk_delta_rule refuses fp32 inputs (these models train in fp32); its fused_recurrent kernel
             # takes them and has a backward (tests/test_addition.py checks it against the reference on the GPU)
-            config = DeltaNetConfig(attn_mode='fused_recurrent', hidden_size=h, num_heads=nh, expand_k=1.0, expand_v=1.0,
-                                    use_gate=True, num_hidden_layers=L, intermediate_size=inter, **fla_common)
+            config = DeltaNetConfig(attn_mode='fused_recurrent', hidden_size=h, num_heads=nh, expand_k=1.0,
+                                    expand_v=1.0, use_gate=True, num_hidden_layers=L, intermediate_size=inter,
+                                    **fla_common)
         elif name == 'mamba2':
             from fla.models import Mamba2Config
             config = Mamba2Config(hidden_size=h, num_hidden_layers=2 * L, head_dim=h // nh, expand=2,

@@ -205,7 +205,8 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state=None, ou
         U = U0[:, :, i] - W[:, :, i] @ S
         outs.append((q[:, :, i] * G[:, :, i, :, None].exp()) @ S + QK[:, :, i] @ U)
         Gi = G[:, :, i]
-        S = Gi[..., -1, None, None].exp() * S + (k[:, :, i] * (Gi[..., -1:] - Gi).exp()[..., None]).transpose(-1, -2) @ U
+        S = (Gi[..., -1, None, None].exp() * S
+             + (k[:, :, i] * (Gi[..., -1:] - Gi).exp()[..., None]).transpose(-1, -2) @ U)
     o = torch.stack(outs, 2).reshape(B, H, n * C, V)[:, :, :T].transpose(1, 2)
     return o, (S if output_final_state else None)
 

@@ -269,11 +269,13 @@ def run(spec: dict, position: int = 0, progress: bool = True, on_trained=None) -
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            gstep = GraphedStep(model, opt, local_batch, 3 * spec['train_max'] + 5, device, bf16=bf16) if graphed else None
+            gstep = (GraphedStep(model, opt, local_batch, 3 * spec['train_max'] + 5, device, bf16=bf16)
+                     if graphed else None)
             side = torch.cuda.Stream() if graphed else None
             batches = BatchStream(lambda i: train_batch(
                 local_batch, spec['train_min'],
-                curriculum_max(i, steps, spec['train_min'], spec['train_max'], spec.get('curriculum', 0.0)), gen), steps)
+                curriculum_max(i, steps, spec['train_min'], spec['train_max'], spec.get('curriculum', 0.0)), gen),
+                steps)
             for step in bar:
                 _set_lr(opt, lr_at(step, steps, spec['lr'], spec['warmup']))
                 b = batches.get().to(device)
@@ -290,7 +292,8 @@ def run(spec: dict, position: int = 0, progress: bool = True, on_trained=None) -
                                 gstep.capture()
                                 record['step_mode'] = 'cuda_graph'
                             except Exception as e:   # noqa: BLE001  (some op cannot be captured: go eager)
-                                record['step_mode'] = f"eager (CUDA graph capture failed: {type(e).__name__}: {e})"[:300]
+                                record['step_mode'] = (
+                                    f"eager (CUDA graph capture failed: {type(e).__name__}: {e})"[:300])
                                 gstep = None
                                 torch.cuda.synchronize()
                         if gstep is not None:
@@ -335,7 +338,8 @@ def run(spec: dict, position: int = 0, progress: bool = True, on_trained=None) -
                 torch.cuda.reset_peak_memory_stats()
             lengths = list(range(spec['train_min'], spec['test_max'] + 1))
             # the fixed test sets on rank 0 (the weights are the same on every rank)
-            acc = evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device, bf16) if rank == 0 else {}
+            acc = (evaluate(model, lengths, spec['eval_samples'], spec['eval_batch_size'], device, bf16)
+                   if rank == 0 else {})
             if cuda:
                 record['eval_peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
             if world > 1:

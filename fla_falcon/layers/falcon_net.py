@@ -175,8 +175,9 @@ class FalconNet(nn.Module):
     Kernels: as fla, 'chunk' for training/prefill and 'fused_recurrent' for short (<= 64 tokens)
     inference steps, taken from :mod:`fla_falcon.ops`; a kernel that is missing there, does not list
     the rule (`fn.supported_rules` or its module's `SUPPORTED_RULES`) or raises NotImplementedError
-    for the options falls back chunk -> fused_recurrent -> naive with a one-time warning. The cache stores the conv states and the full :class:`FalconState`
-    (S, last key, window tail, count) as the layer's `recurrent_state`.
+    for the options falls back chunk -> fused_recurrent -> naive with a one-time warning. The cache
+    stores the conv states and the full :class:`FalconState` (S, last key, window tail, count) as the
+    layer's `recurrent_state`.
 
     On a CPU-only machine everything here (fla's ShortConvolution and norms included) runs under
     Triton's interpreter once :mod:`fla_falcon` is imported before fla (it sets it up).
@@ -214,7 +215,8 @@ class FalconNet(nn.Module):
             allow_neg_eigval=allow_neg_eigval, num_heads=num_heads, num_v_heads=num_v_heads, head_dim=head_dim,
             expand_v=expand_v, mode=mode, shift=shift, lam_coupled=lam_coupled)
         if output_gate_activation not in ('swish', 'silu', 'sigmoid'):
-            raise ValueError(f"output_gate_activation must be 'swish', 'silu', or 'sigmoid', got {output_gate_activation!r}.")
+            raise ValueError(f"output_gate_activation must be 'swish', 'silu', or 'sigmoid', "
+                             f"got {output_gate_activation!r}.")
 
         self.mode = mode
         self.attn_mode = attn_mode
@@ -278,7 +280,8 @@ class FalconNet(nn.Module):
             )
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-            self.o_norm = FusedRMSNormGated(hidden_size=self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
+            self.o_norm = FusedRMSNormGated(hidden_size=self.head_v_dim, eps=norm_eps,
+                                            activation=output_gate_activation)
         else:
             self.o_norm = RMSNorm(hidden_size=self.head_v_dim, eps=norm_eps, dtype=torch.float32)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)

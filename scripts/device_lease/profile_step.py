@@ -3,8 +3,8 @@
 
     python3 scripts/device_lease/profile_step.py falcon1a gdn mamba2 [--batch 128] [--digits 32]
 
-The harness's training step (train.GraphedStep), eager (no CUDA graph), under torch.profiler: the per-step sum of device time is what a CUDA-graph step
-costs at best; the table names the kernels that take it."""
+The harness's training step (train.GraphedStep), eager (no CUDA graph), under torch.profiler: the per-step sum of
+device time is what a CUDA-graph step costs at best; the table names the kernels that take it."""
 import argparse
 import time
 
@@ -45,13 +45,16 @@ for name in a.models:
         step()
     sync()
     wall = (time.perf_counter() - t) / a.steps * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
+                                            else torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             step()
         sync()
-    ev = [e for e in prof.key_averages() if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)]
+    ev = [e for e in prof.key_averages()
+          if e.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)]
     total = sum(e.self_device_time_total for e in ev) / a.steps / 1e3
-    print(f"\n== {name} (route {info['route']}{', bf16 autocast' if a.bf16 else ''}): eager step {wall:.2f} ms wall, {total:.2f} ms of kernels, "
+    print(f"\n== {name} (route {info['route']}{', bf16 autocast' if a.bf16 else ''}): "
+          f"eager step {wall:.2f} ms wall, {total:.2f} ms of kernels, "
           f"{sum(e.count for e in ev) // a.steps} kernels a step")
     for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"  {e.self_device_time_total / a.steps / 1e3:7.3f} ms  x{e.count // a.steps:<4d} {e.key[:100]}")

@@ -124,7 +124,8 @@ class FalconNetConfig(AttentionConfigBase, PreTrainedConfig):
         self.attnres_block_size = attnres_block_size
 
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
-            raise ValueError(f"output_gate_activation must be 'swish', 'silu', or 'sigmoid', got {output_gate_activation!r}.")
+            raise ValueError(f"output_gate_activation must be 'swish', 'silu', or 'sigmoid', "
+                             f"got {output_gate_activation!r}.")
         validate_loss_config(fuse_cross_entropy=fuse_cross_entropy, fuse_linear_cross_entropy=fuse_linear_cross_entropy)
         validate_attnres_config(attnres_block_size=attnres_block_size)
 

@@ -44,9 +44,9 @@ class FalconState(NamedTuple):
       ``(x_j, v_j)`` of the windowed rules (``W = window``; empty for the other rules), oldest
       first and right-aligned: the real pairs are the last ``n_tail`` rows, the rows before them
       are zero.
-    - ``count``: ``[N]`` int32, ``min(tokens seen, W)`` (read clamped into ``[0, W]``). ``0`` means a fresh sequence (no last
-      key, empty tail); with ``shift=True`` the tail holds ``count - 1`` real pairs, with
-      ``shift=False`` it holds ``min(count, W - 1)``.
+    - ``count``: ``[N]`` int32, ``min(tokens seen, W)`` (read clamped into ``[0, W]``). ``0`` means a
+      fresh sequence (no last key, empty tail); with ``shift=True`` the tail holds ``count - 1`` real
+      pairs, with ``shift=False`` it holds ``min(count, W - 1)``.
 
     A zero state with ``count = 0`` is the same as no state. A state is tied to the ``window`` it
     was made with (through the tail length); the other rule options are not stored.
