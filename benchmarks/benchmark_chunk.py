@@ -38,7 +38,7 @@ TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon2': ('chunk_gated_
            'falcon3': ('chunk_gated_delta_rule', 2.0),
            'falcon1a': ('chunk_simple_gla', 1.0),
            'falcon2a': ('chunk_simple_gla', 1.2), 'falcon3a': ('chunk_simple_gla', 1.3),
-           'falcon3a-gather': ('chunk_simple_gla', 1.3), 'falcon3a-fold': ('chunk_simple_gla', 1.3)}
+           **{f'falcon3a-{form}': ('chunk_simple_gla', 1.3) for form in ('fold', 'gather')}}
 DEFAULT_SHAPES = ['4,4096,16,128,128', '1,16384,16,128,128']
 # rules with a chunk forward only (none now; falcon3 was until its backward came): timed forward only
 FORWARD_ONLY = tuple(getattr(chunk_falcon, 'forward_only_rules', ()))
@@ -54,8 +54,8 @@ def lift_fla_guard() -> bool:
     return bool(guarded)
 
 
-# falcon3a's band in the backward as the package has it (fla_falcon.ops.falcon.chunk.BAND_FORM); the other form is
-# timed as the op falcon3a-<form>
+# falcon3a's band in the backward as the package has it (fla_falcon.ops.falcon.chunk.BAND_FORM); the other forms are
+# timed as the ops falcon3a-<form>
 BAND_FORM = _chunk.BAND_FORM
 
 
@@ -95,9 +95,10 @@ def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
         b = beta_col if rule.startswith('falcon2') else beta
         w = window if rule.startswith('falcon3') else 1
         cases[rule] = functools.partial(falcon, rule, b, w)
-    if 'falcon3a' in RULES:   # falcon3a with its band's backward in the other form
-        other = 'gather' if BAND_FORM == 'fold' else 'fold'
-        cases[f'falcon3a-{other}'] = functools.partial(falcon, 'falcon3a', beta, window, other)
+    if 'falcon3a' in RULES:   # falcon3a with its band's backward in the other forms
+        for other in _chunk.BAND_FORMS:
+            if other != BAND_FORM:
+                cases[f'falcon3a-{other}'] = functools.partial(falcon, 'falcon3a', beta, window, other)
     # the token-by-token kernel of the same rule, for the chunk kernels' speed-up over it (issue 5)
     for rule in recurrent:
         b = beta_col if rule.startswith('falcon2') else beta

@@ -311,7 +311,7 @@ def test_gpu_large_heads(rule, dtype, K, device):
 
 @pytest.fixture(params=['fold', 'gather'])
 def band_form(request, monkeypatch):
-    """Both backward forms of falcon3a's band (chunk.BAND_FORM): in the GLA's score products, or row by row in its
+    """The backward forms of falcon3a's band (chunk.BAND_FORM): in the GLA's score products, or row by row in its
     own kernel."""
     import fla_falcon.ops.falcon.chunk as ch
     monkeypatch.setattr(ch, 'BAND_FORM', request.param)

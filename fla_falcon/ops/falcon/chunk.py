@@ -797,17 +797,17 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
 # backward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND_GATHER', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   SHIFT: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  BAND_GATHER: tl.constexpr = False):
+                  BAND: tl.constexpr = 0):
     """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO (falcon3a: on its
-    delayed GLA rows, and the band's value gradient of those rows' pairs into dvb, see below; with BAND_GATHER that is
-    _win_bwd_band's)."""
+    delayed GLA rows, and with BAND 0 (BAND_FORM 'fold') the band's value gradient of those rows' pairs into dvb, see
+    below)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -829,7 +829,7 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
     b_do = tl.load(do + p_tv, mask=m_tv, other=0)
     b_du = tl.dot(b_st.to(b_do.dtype), b_do)
     tl.store(du + p_tv, b_du, mask=m_tv)
-    if WIN > 1 and not BAND_GATHER:
+    if WIN > 1 and BAND == 0:
         # falcon3a's band, seen from the pairs: the pair of delayed row tau is in the band of the rows t = tau - W + 1
         # .. tau - 1 with weight Mb[t, d], d = t - tau + W - 1, and gets scale Mb[t, d] (q_t.x'_tau) do_t. Those rows
         # are this chunk's (the scores X' Q^T above) or the W - 1 rows before it (a [BT, 16] block)
@@ -907,7 +907,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
 
 
 # restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local left in dv
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND_GATHER',
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
                                           'IS_VARLEN'],
                  restore_value=['dv'])
 @triton.jit
@@ -918,13 +918,14 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
              LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-             HAS_FINAL: tl.constexpr = False, BAND_GATHER: tl.constexpr = False):
+             HAS_FINAL: tl.constexpr = False, BAND: tl.constexpr = 0):
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
     the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
     (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dv),
-    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). With BAND_GATHER the
-    band's dq, dx', dv' and dMb come from _win_bwd_band (dqb, dxb, dv, dMb) and are added here."""
+    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). The band (BAND_FORM):
+    BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band (dqb, dxb, dv,
+    dMb)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -947,7 +948,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_dst = tl.zeros([BT, BT], dtype=tl.float32)
     b_deta = tl.zeros([BT], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
-    if WIN > 1 and not BAND_GATHER:
+    if WIN > 1 and BAND == 0:
         # falcon3a's band beyond the chunk's [BT, BT] scores: for its rows, the last W - 1 pairs o_e of the chunk (their
         # delayed rows lie past it, see _fwd_o); for its delayed rows, the W - 1 rows o_r before the chunk
         o_j = tl.arange(0, 16)
@@ -986,7 +987,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
                 if WIN > 1:
                     # the band's part, from _bwd_dv_local (or _win_bwd_band)
                     b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
-                if WIN > 1 and not BAND_GATHER:
+                if WIN > 1 and BAND == 0:
                     b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
                                        USE_INITIAL_STATE)
                     b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
@@ -1011,7 +1012,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_xb = tl.zeros([BT], dtype=tl.float32)
     b_dM = tl.zeros([BT, 8], dtype=tl.float32)
     o_d = tl.arange(0, 8)
-    if WIN > 1 and BAND_GATHER:
+    if WIN > 1 and BAND == 1:
         b_dM = tl.load(dMb + ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :],
                        mask=m_t[:, None] & (o_d < WIN - 1)[None, :], other=0)
         if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step
@@ -1037,11 +1038,11 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         b_xb = tl.sum(b_sd, 0)
     # dq first, stored before dx is formed: fewer [BT, BK] fp32 tiles live at once
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
-    if WIN > 1 and not BAND_GATHER:
+    if WIN > 1 and BAND == 0:
         b_dq += tl.dot((b_dse * b_be * scale).to(b_q.dtype), b_xe)
     # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_qb
-    if WIN > 1 and BAND_GATHER:   # the band's dq, after the GLA's decay gradient
+    if WIN > 1 and BAND == 1:   # the band's dq, after the GLA's decay gradient
         b_dq += tl.load(dqb + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
@@ -1060,7 +1061,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
     b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
     b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
-    if WIN > 1 and not BAND_GATHER:
+    if WIN > 1 and BAND == 0:
         # the rows before the chunk: scale Mb[r, d] (q_r.x'_s)(do_r.v'_s) at s = r + W - 1 - d
         b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
                        mask=m_r[:, None] & (o_k < K)[None, :], other=0)
@@ -1069,7 +1070,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         b_xb += tl.sum(b_dsr * tl.dot(b_x, tl.trans(b_qr)), 1)
     b_dG -= tl.sum(b_xf * b_dx, 1) - b_xb
     b_dG += tl.where(o_t == last, b_end, 0.)
-    if WIN > 1 and BAND_GATHER:   # the band's dx', after the GLA's decay gradient
+    if WIN > 1 and BAND == 1:   # the band's dx', after the GLA's decay gradient
         b_dx += tl.load(dxb + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     if DELTA:
         tl.store(dx + p_tk, b_dx, mask=m_tk)
@@ -1605,6 +1606,86 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
 #                   energy; the first chunk also does the carried tail's pairs.
 # ----------------------------------------------------------------------------------------------
 
+# falcon3a's band in the backward, row by row (BAND_FORM 'gather' and 'inline'). The band's part of the output is
+# o_t += scale sum_{d < W-1} Mb[t, d] (q_t.x_p) v_p with p = t - d, so its gradients are products of rows at most
+# W - 1 apart, with no [BT, BT] tiles: for the rows t, dMb[t, d] = scale (q_t.x_p)(do_t.v_p) and
+# dq_t = scale sum_d Mb[t, d] (do_t.v_p) x_p; for the delayed GLA rows s (their pair p = s - W + 1 is in the band of
+# the rows r = p + d < s, some before the chunk), dx'_s = scale sum_d Mb[r, d] (do_r.v_p) q_r and
+# dv'_s = scale sum_d Mb[r, d] (q_r.x_p) do_r. [BT, 8] tiles hold one slot per d. The pairs with no delayed row (the
+# sequence's last W - 1) are _win_bwd_final's.
+
+@triton.jit
+def _band_keys(q, k, last_k, count, tail_x, wm, b_q, b_xs, i_n, i_h, i_hv, bos, o_t, m_t, o_k, o_d, scale,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+               WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """The key side ([BT, 8]): a = q_t.x_p and Mb[t, d] of the rows, Mb[r, d] of the pairs' rows and
+    c2 = scale Mb[r, d] (q_r.x'_s), the weight of do_r in dv'_s. b_q, b_xs: the rows' q and pairs' x' (fp32)."""
+    b_a = tl.zeros([BT, 8], dtype=tl.float32)
+    b_c2 = tl.zeros([BT, 8], dtype=tl.float32)
+    b_w = tl.zeros([BT, 8], dtype=tl.float32)
+    b_w2 = tl.zeros([BT, 8], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        o_r = o_t - (WIN - 1) + d
+        m_r = m_t & (o_r >= 0)
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                       other=0).to(tl.float32)
+        b_wr = tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)
+        b_a = tl.where(o_d[None, :] == d, tl.sum(b_q * b_xp.to(tl.float32), 1)[:, None], b_a)
+        b_c2 = tl.where(o_d[None, :] == d, (tl.sum(b_qr * b_xs, 1) * b_wr * scale)[:, None], b_c2)
+        b_w = tl.where(o_d[None, :] == d, tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None],
+                       b_w)
+        b_w2 = tl.where(o_d[None, :] == d, b_wr[:, None], b_w2)
+    return b_a, b_w, b_w2, b_c2
+
+
+@triton.jit
+def _band_values(v, tail_v, do, count, b_do, b_vs, b_b, b_b2, b_c2, i_n, i_hv, bos, o_t, m_t, o_v, o_d,
+                 HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr,
+                 SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """One value block (o_v; b_do: the rows' do, b_vs: the pairs' v', fp32): adds do_t.v_p to b and do_r.v'_s to b2,
+    and returns them with the block's dv'_s = sum_d c2[s, d] do_r."""
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        o_r = o_t - (WIN - 1) + d
+        m_r = m_t & (o_r >= 0)
+        b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
+                        mask=m_r[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
+        b_b += tl.where(o_d[None, :] == d, tl.sum(b_do * b_vp, 1)[:, None], 0.)
+        b_b2 += tl.where(o_d[None, :] == d, tl.sum(b_dor * b_vs, 1)[:, None], 0.)
+        b_dv += tl.sum(tl.where(o_d[None, :] == d, b_c2, 0.), 1)[:, None] * b_dor
+    return b_b, b_b2, b_dv
+
+
+@triton.jit
+def _band_dq(k, last_k, count, tail_x, b_cq, i_n, i_h, bos, o_t, m_t, o_d, H: tl.constexpr, K: tl.constexpr,
+             BK: tl.constexpr, BT: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+             USE_INITIAL_STATE: tl.constexpr):
+    """The rows' dq: sum_d cq[t, d] x_{t-d} ([BT, BK], fp32)."""
+    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
+        b_acc += tl.sum(tl.where(o_d[None, :] == d, b_cq, 0.), 1)[:, None] * b_xp.to(tl.float32)
+    return b_acc
+
+
+@triton.jit
+def _band_dx(q, b_cx, i_h, bos, o_t, m_t, o_k, o_d, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+             BT: tl.constexpr, WIN: tl.constexpr):
+    """The pairs' dx': sum_d cx[s, d] q_r, r = s - W + 1 + d ([BT, BK], fp32)."""
+    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    for d in tl.static_range(WIN - 1):
+        o_r = o_t - (WIN - 1) + d
+        m_r = m_t & (o_r >= 0)
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                       other=0).to(tl.float32)
+        b_acc += tl.sum(tl.where(o_d[None, :] == d, b_cx, 0.), 1)[:, None] * b_qr
+    return b_acc
+
+
 # (4 warps spilled 96-800 B per thread at K = V = 128, aot_check sm_90; 8 warps none)
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
@@ -1613,13 +1694,8 @@ def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """falcon3a's band in gather form (BAND_FORM = 'gather'): its part of the output is
-    o_t += scale sum_{d < W-1} Mb[t, d] (q_t.x_p) v_p, p = t - d, so per chunk, with row-by-row products instead
-    of [BT, BT] tiles: for the rows t, dMb[t, d] = scale (q_t.x_p)(do_t.v_p) and
-    dq_t = scale sum_d Mb[t, d] (do_t.v_p) x_p;
-    for the delayed GLA rows s (the pair p = s - W + 1, in the band of the rows r = p + d < s, some before the chunk),
-    dx'_s = scale sum_d Mb[r, d] (do_r.v_p) q_r and dv'_s = scale sum_d Mb[r, d] (q_r.x_p) do_r (fp32). The pairs with
-    no delayed row (the sequence's last W - 1) are _win_bwd_final's."""
+    """falcon3a's band in the backward in its own kernel (BAND_FORM 'gather', see _band_keys): dq (dqb), dx' (dxb),
+    dv' (dvb) and dMb per chunk, fp32, which _bwd_dqx adds to the GLA's."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1632,27 +1708,8 @@ def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb,
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
     b_xs, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
                               USE_INITIAL_STATE)
-    b_xs = b_xs.to(tl.float32)
-    # [BT, 8] per slot d: the key products a (rows: q_t.x_p) and a2 (pairs: q_r.x_p), Mb[t, d] and Mb[r, d]
-    b_a = tl.zeros([BT, 8], dtype=tl.float32)
-    b_a2 = tl.zeros([BT, 8], dtype=tl.float32)
-    b_w = tl.zeros([BT, 8], dtype=tl.float32)
-    b_w2 = tl.zeros([BT, 8], dtype=tl.float32)
-    for d in tl.static_range(WIN - 1):
-        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
-                                    USE_INITIAL_STATE)
-        o_r = o_t - (WIN - 1) + d
-        m_r = m_t & (o_r >= 0)
-        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
-                       other=0).to(tl.float32)
-        b_a = tl.where(o_d[None, :] == d, tl.sum(b_q * b_xp.to(tl.float32), 1)[:, None], b_a)
-        b_a2 = tl.where(o_d[None, :] == d, tl.sum(b_qr * b_xs, 1)[:, None], b_a2)
-        b_w = tl.where(o_d[None, :] == d, tl.load(wm + ((bos + o_t) * HV + i_hv) * 8 + d, mask=m_t, other=0)[:, None],
-                       b_w)
-        b_w2 = tl.where(o_d[None, :] == d, tl.load(wm + ((bos + o_r) * HV + i_hv) * 8 + d, mask=m_r, other=0)[:, None],
-                        b_w2)
-    b_c2 = b_w2 * b_a2 * scale          # dv'_s = sum_d c2[s, d] do_r
-    # the value products b (rows: do_t.v_p) and b2 (pairs: do_r.v'_s), and dv', by value blocks
+    b_a, b_w, b_w2, b_c2 = _band_keys(q, k, last_k, count, tail_x, wm, b_q, b_xs.to(tl.float32), i_n, i_h, i_hv, bos,
+                                      o_t, m_t, o_k, o_d, scale, H, HV, K, BK, BT, WIN, SHIFT, USE_INITIAL_STATE)
     b_b = tl.zeros([BT, 8], dtype=tl.float32)
     b_b2 = tl.zeros([BT, 8], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -1661,38 +1718,14 @@ def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb,
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_vs = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-        b_dv = tl.zeros([BT, BV], dtype=tl.float32)
-        for d in tl.static_range(WIN - 1):
-            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT,
-                               USE_INITIAL_STATE)
-            o_r = o_t - (WIN - 1) + d
-            m_r = m_t & (o_r >= 0)
-            b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
-                            mask=m_r[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
-            b_b += tl.where(o_d[None, :] == d, tl.sum(b_do * b_vp, 1)[:, None], 0.)
-            b_b2 += tl.where(o_d[None, :] == d, tl.sum(b_dor * b_vs, 1)[:, None], 0.)
-            b_dv += tl.sum(tl.where(o_d[None, :] == d, b_c2, 0.), 1)[:, None] * b_dor
+        b_b, b_b2, b_dv = _band_values(v, tail_v, do, count, b_do, b_vs, b_b, b_b2, b_c2, i_n, i_hv, bos, o_t, m_t,
+                                       o_v, o_d, HV, V, BT, BV, WIN, SHIFT, USE_INITIAL_STATE)
         tl.store(dvb + p_tv, b_dv, mask=m_tv)
-    p_td = ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :]
-    tl.store(dMb + p_td, b_a * b_b * scale, mask=m_t[:, None])
-    # dq (rows) and dx' (pairs), one [BT, BK] accumulator at a time
-    b_cq = b_w * b_b * scale
-    b_cx = b_w2 * b_b2 * scale
-    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
-    for d in tl.static_range(WIN - 1):
-        b_xp, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t - d, m_t, H, K, BK, WIN, SHIFT,
-                                    USE_INITIAL_STATE)
-        b_acc += tl.sum(tl.where(o_d[None, :] == d, b_cq, 0.), 1)[:, None] * b_xp.to(tl.float32)
+    tl.store(dMb + ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :], b_a * b_b * scale, mask=m_t[:, None])
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dqb + p_tk, b_acc, mask=m_tk)
-    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
-    for d in tl.static_range(WIN - 1):
-        o_r = o_t - (WIN - 1) + d
-        m_r = m_t & (o_r >= 0)
-        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
-                       other=0).to(tl.float32)
-        b_acc += tl.sum(tl.where(o_d[None, :] == d, b_cx, 0.), 1)[:, None] * b_qr
-    tl.store(dxb + p_tk, b_acc, mask=m_tk)
+    tl.store(dqb + p_tk, _band_dq(k, last_k, count, tail_x, b_w * b_b * scale, i_n, i_h, bos, o_t, m_t, o_d, H, K, BK,
+                                  BT, WIN, SHIFT, USE_INITIAL_STATE), mask=m_tk)
+    tl.store(dxb + p_tk, _band_dx(q, b_w2 * b_b2 * scale, i_h, bos, o_t, m_t, o_k, o_d, H, K, BK, BT, WIN), mask=m_tk)
 
 
 @triton.jit
@@ -2022,7 +2055,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
 
 
 def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win,
-                 wm=None, dvb=None, band_gather=False):
+                 wm=None, dvb=None, band=0):
     """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
     the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0)."""
     B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
@@ -2037,7 +2070,7 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
     else:
         _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
-            BAND_GATHER=band_gather, **common)
+            BAND=band, **common)
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -2050,7 +2083,10 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
 
 # falcon3a's band in the backward: 'fold' adds it to the GLA's [BT, BT] score products in _bwd_dv_local and _bwd_dqx
 # (twelfth lease: those two took 921 + 226 us at (4, 4096, 16, 128, 128), against 591 + 99 before the band joined
-# them); 'gather' computes it row by row in its own kernel, _win_bwd_band, which they read (not yet timed on a GPU)
+# them); 'gather' computes it row by row (_band_keys) in its own kernel, _win_bwd_band, whose fp32 results _bwd_dqx
+# reads (not yet timed or run on a GPU). The same row-by-row products inside _bwd_dqx spilled 496-664 B per thread
+# there (aot_check sm_90, K = V = 128), against 32-104 B for 'fold' and none for 'gather'.
+BAND_FORMS = {'fold': 0, 'gather': 1}
 BAND_FORM = 'fold'
 
 
@@ -2066,17 +2102,17 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     use_init = S0 is not None
     # dv' (rows of the delayed form, fp32): _bwd_dv_local writes the band's part, _bwd_dqx adds the GLA's
     dv32 = torch.empty(B, T, HV, V, **f32)
-    if BAND_FORM not in ('fold', 'gather'):
-        raise ValueError(f"BAND_FORM must be 'fold' or 'gather', got {BAND_FORM!r}")
-    gather = win > 1 and BAND_FORM == 'gather'
+    if BAND_FORM not in BAND_FORMS:
+        raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
+    band = BAND_FORMS[BAND_FORM] if win > 1 else 0
     dqb = dxb = dMb = None
-    if gather:
+    if band == 1:
         dqb, dxb = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
         dMb = torch.empty(B, T, HV, 8, **f32)
         _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dv32, dMb, scale, cu, ci,
                                     co, T, WIN=win, **dict(common, BV=min(BV, 32)))
     du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
-                               win, wm, dv32, band_gather=gather)
+                               win, wm, dv32, band=band)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     has_final = dht is not None and win > 1
     fx = fv = fm = None
@@ -2093,7 +2129,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
         None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
-        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND_GATHER=gather, **gates, **dict(common, BV=min(BV, 32)))
+        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates, **dict(common, BV=min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
