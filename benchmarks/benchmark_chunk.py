@@ -85,6 +85,7 @@ def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
         'chunk_delta_rule': lambda: chunk_delta_rule(q, k, v, beta)[0],
         'chunk_gla': lambda: chunk_gla(q, k, v, g_col)[0],
     }
+
     def falcon(rule, b, w, band=BAND_FORM):
         # falcon3a's band form is read when its backward runs: each case runs its forward and backward before the
         # next one starts, so setting it here holds for both

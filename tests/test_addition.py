@@ -4,8 +4,8 @@ evals.addition.torch_path against what they replace, one training step of a tiny
 data-parallel run under torchrun."""
 
 import json
-import os
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path

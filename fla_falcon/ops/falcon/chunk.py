@@ -906,7 +906,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-# restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local left in dv
+# restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local (or _win_bwd_band) left in dv
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
                                           'IS_VARLEN'],
                  restore_value=['dv'])
@@ -1606,7 +1606,7 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
 #                   energy; the first chunk also does the carried tail's pairs.
 # ----------------------------------------------------------------------------------------------
 
-# falcon3a's band in the backward, row by row (BAND_FORM 'gather' and 'inline'). The band's part of the output is
+# falcon3a's band in the backward, row by row (BAND_FORM 'gather'). The band's part of the output is
 # o_t += scale sum_{d < W-1} Mb[t, d] (q_t.x_p) v_p with p = t - d, so its gradients are products of rows at most
 # W - 1 apart, with no [BT, BT] tiles: for the rows t, dMb[t, d] = scale (q_t.x_p)(do_t.v_p) and
 # dq_t = scale sum_d Mb[t, d] (do_t.v_p) x_p; for the delayed GLA rows s (their pair p = s - W + 1 is in the band of
@@ -2100,7 +2100,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
-    # dv' (rows of the delayed form, fp32): _bwd_dv_local writes the band's part, _bwd_dqx adds the GLA's
+    # dv' (rows of the delayed form, fp32): _bwd_dv_local (or _win_bwd_band) writes the band's part, _bwd_dqx adds
+    # the GLA's
     dv32 = torch.empty(B, T, HV, V, **f32)
     if BAND_FORM not in BAND_FORMS:
         raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
