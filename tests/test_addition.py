@@ -520,6 +520,27 @@ def test_failed_run_records_reason_and_where(monkeypatch, restore_patches):
     rec = train.run(spec, progress=False)
     assert rec['status'] == 'failed' and rec['reason'] == 'RuntimeError: boom'
     assert rec['where'][-1].endswith('broken_loss') and any(w.endswith(' run') for w in rec['where'])
+    assert rec['kernel'] is None   # not in a Triton launch
+
+
+def test_failing_kernel_names_the_launch():
+    # an error raised inside an autotuned Triton launch: the record names the kernel and the config being run
+    import triton
+    import triton.language as tl
+    from evals.addition.train import _failing_kernel
+
+    @triton.autotune(configs=[triton.Config({}, num_warps=1)], key=[])
+    @triton.jit
+    def _faulty(x):
+        tl.store(x + tl.arange(0, 4), tl.arange(0, 4).to(tl.float32))
+
+    try:
+        _faulty[(1,)]('not a tensor')
+    except Exception as e:   # the driver's or the interpreter's own error type
+        found = _failing_kernel(e)
+    else:
+        pytest.fail('the launch did not raise')
+    assert found['name'] == '_faulty' and 'num_warps: 1' in found['config']
 
 
 @pytest.mark.parametrize('model', ['falcon1a', 'transformer'])
@@ -692,12 +713,14 @@ def test_gpu_small_heads_fp32(tmp_path, model):
     """GatedDeltaNet and Mamba-2 with 16-wide heads in fp32 on their GPU route: in the thirteenth lease both runs
     (eager, with and without TF32) ended with "CUDA error: an illegal memory access" before the route's first
     chunk_bwd_dqkwg check was recorded, while bf16 at this size and fp32 at the paper preset's 64-wide heads trained.
-    The worker runs with CUDA_LAUNCH_BLOCKING=1, so the record's `where` names the faulting op."""
+    The worker runs with CUDA_LAUNCH_BLOCKING=1, so the record's `where` names the faulting op (the fourteenth lease:
+    an autotuner's benchmark) and `kernel` the Triton kernel and config."""
     spec = dict(model=model, seed=0, device='cuda', kernels='auto', size=dict(hidden=32, layers=1, heads=2,
                 intermediate=64), train_min=1, train_max=4, test_min=5, test_max=5, steps=8, batch_size=8, lr=1e-3,
                 warmup=2, weight_decay=0.1, eval_samples=8, eval_batch_size=8, cuda_graph=False, bf16=False)
     rec = _run_in_worker(spec, tmp_path / 'run', env=dict(os.environ, CUDA_LAUNCH_BLOCKING='1'))
-    assert rec['status'] == 'ok', json.dumps({k: rec.get(k) for k in ('status', 'reason', 'where', 'route', 'dqkwg')})
+    keys = ('status', 'reason', 'kernel', 'where', 'route', 'dqkwg')
+    assert rec['status'] == 'ok', json.dumps({k: rec.get(k) for k in keys})
 
 
 def test_evaluate_builds_no_autograd_graph():

@@ -192,6 +192,27 @@ class GraphedStep:
         return self.loss
 
 
+def _failing_kernel(e: BaseException) -> dict | None:
+    """The Triton kernel (and the autotuner's config being benchmarked, if any) on whose launch an error surfaced:
+    the innermost traceback frame whose `self` is a JITFunction or an Autotuner. With CUDA_LAUNCH_BLOCKING=1 that is
+    the kernel that faulted; without, only the one that noticed."""
+    found = None
+    tb = e.__traceback__
+    while tb is not None:
+        loc = tb.tb_frame.f_locals
+        obj = loc.get('self')
+        if type(obj).__name__ in ('JITFunction', 'Autotuner', 'Heuristics'):
+            fn = getattr(obj, 'fn', None)
+            name = getattr(obj, '__name__', None) or getattr(fn, '__name__', None) or repr(obj)
+            # (an inner JITFunction frame keeps the config its Autotuner frame named)
+            found = dict(found or {}, name=name,
+                         module=getattr(fn, '__module__', None) or getattr(obj, '__module__', None))
+            if 'config' in loc:
+                found['config'] = str(loc['config'])
+        tb = tb.tb_next
+    return found
+
+
 def _set_lr(opt, lr: float) -> None:
     for g in opt.param_groups:
         if torch.is_tensor(g['lr']):
@@ -351,9 +372,9 @@ def run(spec: dict, position: int = 0, progress: bool = True, on_trained=None) -
         # where it failed: an asynchronous CUDA error ("illegal memory access") names only the call that noticed it;
         # CUDA_LAUNCH_BLOCKING=1 in the worker's environment makes that the faulting op
         where = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
-                 for f in traceback.extract_tb(e.__traceback__)[-6:]]
+                 for f in traceback.extract_tb(e.__traceback__)[-12:]]
         return dict(record, status='failed', reason=f"{type(e).__name__}: {e}", where=where,
-                    train_time_s=time.perf_counter() - start)
+                    kernel=_failing_kernel(e), train_time_s=time.perf_counter() - start)
     bar.close()
     if torch_path.DQKWG_CHECKS:   # which chunk_bwd_dqkwg the route ran, per kind of call, and its check
         record['dqkwg'] = dict(torch_path.DQKWG_CHECKS)
