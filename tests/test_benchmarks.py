@@ -7,6 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'benchmarks'))
 
@@ -78,3 +80,29 @@ def test_diag_rows_locates_errors(tmp_path, capsys):
     assert all(r['ratio'] < 5e-3 for r in fp32.values()), fp32
     assert 1e-4 < bf16['dq']['ratio'] < 2e-2 and len(bf16['dq']['worst_rows']) == 8
     assert bf16['dq']['boundary_rows'] > 0 and 'falcon3a bf16' in capsys.readouterr().out
+
+
+def test_replay_launches_finds_a_differing_launch(tmp_path):
+    # scripts/replay_launches.py, the interpreter against itself: every launch replays to the recorded outputs
+    # exactly; a recorded output changed at one row (what a miscompiled GPU launch leaves) is named with that row
+    if bc.torch.cuda.is_available():
+        pytest.skip('records and replays under the interpreter here; on the GPU it replays in a subprocess')
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import replay_launches as rl
+    argv = ['--rule', 'falcon3a', '--T', '40', '--H', '1', '--K', '16', '--V', '16', '--window', '3', '--cu', '0,15,40',
+            '--chunk', '16', '--out', str(tmp_path)]
+    assert rl.main(argv + ['--mode', 'record']) == 0
+    path = tmp_path / 'launches.pt'
+    rec = bc.torch.load(path, weights_only=False)
+    names = [L['name'] for L in rec['launches']]
+    assert {'_prep_fwd', '_fwd_h', '_fwd_o', '_bwd_dqx', '_win_bwd_pairs'} <= set(names), names
+    report = rl.replay(str(path), [])
+    assert all(o['rel'] == 0 for r in report for o in r['outputs']), report
+    i = names.index('_bwd_dqx')
+    j = rl._kernels()['_bwd_dqx'][1].arg_names.index('dq')
+    rec['launches'][i]['after'][j][0, 23] += 1.0
+    bc.torch.save(rec, path)
+    report = rl.replay(str(path), ['_bwd_dqx'])
+    dq = [o for o in report[0]['outputs'] if o['arg'] == 'dq'][0]
+    assert dq['rel'] > 1e-2 and dq['worst_rows'][0][0] == 23, dq
+    assert all(o['rel'] == 0 for o in report[0]['outputs'] if o['arg'] != 'dq'), report

@@ -1,0 +1,212 @@
+# -*- coding: utf-8 -*-
+"""Which Triton kernel goes wrong on the GPU: every chunk_falcon kernel launch of a case (forward and backward),
+recorded on the GPU with its arguments as they were before and after the launch, then replayed launch by launch in
+Triton's interpreter on the CPU from the same "before" arguments, and the outputs compared.
+
+The interpreter runs the kernels' source as written (numpy, no compiler), so a launch whose outputs differ from the
+GPU's by more than rounding points at a miscompile, a race, or a launch that depends on the GPU's scheduling. Since the
+replay starts from the GPU's own inputs of each launch, an error does not spread into later launches' comparisons. An
+autotuned kernel is recorded from the autotuner's entry, so a kernel whose benchmarking runs change a buffer it also
+reads (a missing ``restore_value``) shows too. A read of memory no launch wrote is not caught here (the replay
+reads the same bytes): fill the allocator with NaN for that.
+
+    # on the GPU machine: record, then replay in a fresh process under the interpreter, both in one call
+    python scripts/replay_launches.py --rule falcon3a --T 1000 --H 2 --K 128 --V 128 --window 3 \\
+        --cu 0,100,611,1000 --dtype bf16 --out /tmp/L/replay
+
+``--only _bwd_dqx,_bwd_dv_local`` replays only those kernels (the interpreter takes seconds to minutes a launch at
+K = V = 128). The case's inputs are tests/test_chunk.py's ``make_inputs`` (the same as scripts/diag_rows.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests')]
+
+import fla_falcon  # noqa: E402,F401  (first: Triton's interpreter where there is no GPU or TRITON_INTERPRET=1)
+import torch  # noqa: E402
+
+MODULES = ('fla_falcon.ops.falcon.chunk', 'fla_falcon.ops.falcon.chunk_col', 'fla_falcon.ops.falcon.chunk_win')
+
+
+def _kernels():
+    """name -> (autotuner or None, jit function) of the chunk modules' kernels."""
+    import importlib
+    from triton.runtime.autotuner import Autotuner
+    out = {}
+    for mod in MODULES:
+        m = importlib.import_module(mod)
+        for name, obj in vars(m).items():
+            if isinstance(obj, Autotuner):
+                out[name] = (obj, obj.fn)
+            elif type(obj).__name__ in ('JITFunction', 'InterpretedFunction') and name not in out:
+                out[name] = (None, obj)
+    return out
+
+
+def _grid(grid, fn, args, kwargs):
+    if callable(grid):
+        meta = dict(zip(fn.arg_names, args), **kwargs)
+        grid = grid(meta)
+    return tuple(int(g) for g in grid)
+
+
+def record(case_args, path: str) -> list:
+    """Runs the case on the GPU and records every launch of the chunk kernels: (name, grid, scalar and constexpr
+    arguments, the chosen config's arguments, tensors before and after) saved to `path`."""
+    from test_chunk import make_inputs, run_both
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    launches = []
+    kernels = _kernels()
+    patched = []
+
+    def wrap(name, tuner, fn):
+        target = tuner if tuner is not None else fn
+        orig = target.run
+
+        def run(*args, **kwargs):
+            before = [a.detach().cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]
+            ret = orig(*args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            cfg = tuner.best_config.all_kwargs() if tuner is not None else {}
+            kw = {k: v for k, v in kwargs.items() if k not in ('grid', 'warmup')}
+            kw.update(cfg)
+            launches.append(dict(
+                name=name, grid=_grid(kwargs['grid'], fn, args, kw), kwargs=kw, before=before,
+                after=[a.detach().cpu().clone() if isinstance(a, torch.Tensor) else None for a in args]))
+            return ret
+        target.run = run
+        patched.append((target, orig))
+
+    for name, (tuner, fn) in kernels.items():
+        wrap(name, tuner, fn)
+    try:
+        inputs = make_inputs(case_args.rule, case_args.B, case_args.T, case_args.H, case_args.G, case_args.K,
+                             case_args.V, case_args.lam, True, device, cu_seqlens=_cu(case_args, device),
+                             window=case_args.window)
+        pairs = run_both(case_args.rule, *inputs, _dtype(case_args), lam_mode=case_args.lam,
+                         shift=not case_args.no_shift, cu_seqlens=_cu(case_args, device), chunk_size=case_args.chunk,
+                         window=case_args.window)
+    finally:
+        for target, orig in patched:
+            target.run = orig
+    ratios = {name: ((ref - tri).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+              for name, ref, tri in pairs}
+    torch.save(dict(launches=launches, ratios=ratios, args=vars(case_args)), path)
+    return launches
+
+
+def _cu(a, device):
+    return torch.tensor([int(x) for x in a.cu.split(',')], device=device) if a.cu else None
+
+
+def _dtype(a):
+    return torch.bfloat16 if a.dtype == 'bf16' else torch.float32
+
+
+def _rows_err(gpu: torch.Tensor, cpu: torch.Tensor, top: int):
+    """Relative error of the whole tensor and of its worst rows (first dimension after merging the leading
+    [B, T] or [chunks] dims: the row is the tensor's first dimension whose size is not 1)."""
+    g, c = gpu.double(), cpu.double()
+    den = c.norm().item()
+    rel = (g - c).norm().item() / den if den > 0 else (g - c).norm().item()
+    x = g - c
+    lead = x.reshape(-1, *x.shape[2:]) if x.dim() > 2 and x.shape[0] == 1 else x
+    if lead.dim() < 2:
+        return rel, []
+    err = lead.flatten(1).norm(dim=1)
+    mag = c.reshape(lead.shape).flatten(1).norm(dim=1)
+    r = err / mag.clamp_min(mag.mean().item() * 1e-3 + 1e-30)
+    idx = r.topk(min(top, r.numel())).indices
+    return rel, [(int(i), round(float(r[i]), 4)) for i in idx if r[i] > 0]
+
+
+def replay(path: str, only: list, top: int = 6) -> list:
+    """Replays each recorded launch under the interpreter from its "before" tensors; compares with the GPU's
+    "after" tensors: per changed tensor argument, the relative error and the worst rows."""
+    rec = torch.load(path, weights_only=False)
+    kernels = _kernels()
+    report = []
+    for i, L in enumerate(rec['launches']):
+        if only and L['name'] not in only:
+            continue
+        tuner, fn = kernels[L['name']]
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in L['before']]
+        fn[L['grid']](*args, **L['kwargs'])
+        outs = []
+        for j, (b, g, c) in enumerate(zip(L['before'], L['after'], args)):
+            if not isinstance(c, torch.Tensor):
+                continue
+            if torch.equal(b, g) and torch.equal(b, c):
+                continue
+            rel, rows = _rows_err(g, c, top)
+            outs.append(dict(arg=fn.arg_names[j], rel=rel, worst_rows=rows,
+                             changed_on=('gpu ' if not torch.equal(b, g) else '') +
+                             ('cpu' if not torch.equal(b, c) else '')))
+        report.append(dict(launch=i, name=L['name'], grid=L['grid'],
+                           config={k: v for k, v in L['kwargs'].items()
+                                   if k in ('num_warps', 'num_stages', 'BV', 'BK', 'UNROLL')}, outputs=outs))
+        worst = max((o['rel'] for o in outs), default=0.0)
+        print(f"[{i:2d}] {L['name']:22s} grid={L['grid']} worst rel {worst:.2e}", flush=True)
+        for o in outs:
+            print(f"       {o['arg']:10s} {o['rel']:.2e}  ({o['changed_on'].strip()})  {o['worst_rows']}", flush=True)
+    return report
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--rule', default='falcon3a')
+    p.add_argument('--B', type=int, default=1)
+    p.add_argument('--T', type=int, default=1000)
+    p.add_argument('--H', type=int, default=2)
+    p.add_argument('--G', type=int, default=1, help='value heads per key head')
+    p.add_argument('--K', type=int, default=128)
+    p.add_argument('--V', type=int, default=128)
+    p.add_argument('--window', type=int, default=1)
+    p.add_argument('--cu', default=None, help='cu_seqlens, comma-separated (B must be 1)')
+    p.add_argument('--dtype', choices=('bf16', 'fp32'), default='bf16')
+    p.add_argument('--lam', choices=('off', 'on', 'coupled'), default='coupled')
+    p.add_argument('--no-shift', action='store_true')
+    p.add_argument('--chunk', type=int, default=64)
+    p.add_argument('--band-form', choices=('fold', 'gather'), default=None)
+    p.add_argument('--only', default='', help='comma-separated kernel names to replay (default: all)')
+    p.add_argument('--mode', choices=('both', 'record', 'replay'), default='both',
+                   help='both: record here (GPU), then replay in a subprocess under TRITON_INTERPRET=1')
+    p.add_argument('--out', default='replay', help='folder for launches.pt and replay.json (default: %(default)s)')
+    a = p.parse_args(argv)
+    if a.band_form:
+        import fla_falcon.ops.falcon.chunk as ch
+        ch.BAND_FORM = a.band_form
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, 'launches.pt')
+    if a.mode in ('both', 'record'):
+        if not torch.cuda.is_available():   # the interpreter against itself: a check of this script
+            print('no GPU: recording under the interpreter', flush=True)
+        launches = record(a, path)
+        print(f"recorded {len(launches)} launches: {', '.join(L['name'] for L in launches)}", flush=True)
+        if a.mode == 'both':
+            env = dict(os.environ, TRITON_INTERPRET='1', CUDA_VISIBLE_DEVICES='')
+            cmd = [sys.executable, os.path.abspath(__file__), '--mode', 'replay', '--out', a.out, '--only', a.only]
+            return subprocess.call(cmd, env=env)
+        return 0
+    rec_args = torch.load(path, weights_only=False)['args']
+    print('case:', {k: rec_args[k] for k in ('rule', 'T', 'H', 'K', 'V', 'window', 'cu', 'dtype', 'lam', 'no_shift',
+                                            'chunk', 'band_form')}, flush=True)
+    print('end-to-end ratios on the GPU:', {k: round(v, 4) for k, v in torch.load(path, weights_only=False)
+                                            ['ratios'].items()}, flush=True)
+    report = replay(path, [s for s in a.only.split(',') if s])
+    with open(os.path.join(a.out, 'replay.json'), 'w') as f:
+        json.dump(dict(case=rec_args, launches=report), f, indent=1)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
