@@ -57,50 +57,77 @@ def _grid(grid, fn, args, kwargs):
     return tuple(int(g) for g in grid)
 
 
-def record(case_args, path: str) -> list:
-    """Runs the case on the GPU and records every launch of the chunk kernels: (name, grid, scalar and constexpr
-    arguments, the chosen config's arguments, tensors before and after) saved to `path`."""
+def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> list:
+    """Runs the case `repeat` times and records every launch of the chunk kernels in the last run: (name, grid,
+    constexpr and scalar arguments, the autotuner's chosen config, tensors before and after), saved to `path` with
+    each run's end-to-end ratios against the reference. The first run autotunes, the later ones reuse its configs: a
+    first run that fails where a later one passes points at the autotuner's benchmarking. all_configs: each autotuned
+    launch is run again under every config of its autotuner, from the same "before" tensors (per_config)."""
     from test_chunk import make_inputs, run_both
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     launches = []
     kernels = _kernels()
     patched = []
 
+    def snap(args):
+        return [a.detach().cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]
+
     def wrap(name, tuner, fn):
         target = tuner if tuner is not None else fn
         orig = target.run
 
         def run(*args, **kwargs):
-            before = [a.detach().cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]
+            before = snap(args)
             ret = orig(*args, **kwargs)
-            if torch.cuda.is_available():
+            if device == 'cuda':
                 torch.cuda.synchronize()
             cfg = tuner.best_config.all_kwargs() if tuner is not None else {}
             kw = {k: v for k, v in kwargs.items() if k not in ('grid', 'warmup')}
-            kw.update(cfg)
-            launches.append(dict(
-                name=name, grid=_grid(kwargs['grid'], fn, args, kw), kwargs=kw, before=before,
-                after=[a.detach().cpu().clone() if isinstance(a, torch.Tensor) else None for a in args]))
+            L = dict(name=name, grid=_grid(kwargs['grid'], fn, args, dict(kw, **cfg)), kwargs=kw, config=cfg,
+                     before=before, after=[a.detach().cpu().clone() if isinstance(a, torch.Tensor) else None
+                                           for a in args])
+            if all_configs and tuner is not None:
+                L['per_config'] = []
+                for c in tuner.configs:
+                    ck = c.all_kwargs()
+                    xs = [b.to(device, copy=True) if isinstance(b, torch.Tensor) else b for b in before]
+                    try:
+                        fn.run(*xs, grid=_grid(kwargs['grid'], fn, args, dict(kw, **ck)), warmup=False, **kw, **ck)
+                        if device == 'cuda':
+                            torch.cuda.synchronize()
+                        L['per_config'].append(dict(config=_short(ck), after=[
+                            x.cpu() if isinstance(x, torch.Tensor) else None for x in xs]))
+                    except Exception as e:   # noqa: BLE001  (out of resources: reported)
+                        L['per_config'].append(dict(config=_short(ck), error=f"{type(e).__name__}: {e}"[:200]))
+            launches.append(L)
             return ret
         target.run = run
         patched.append((target, orig))
 
     for name, (tuner, fn) in kernels.items():
         wrap(name, tuner, fn)
+    runs = []
     try:
         inputs = make_inputs(case_args.rule, case_args.B, case_args.T, case_args.H, case_args.G, case_args.K,
                              case_args.V, case_args.lam, True, device, cu_seqlens=_cu(case_args, device),
                              window=case_args.window)
-        pairs = run_both(case_args.rule, *inputs, _dtype(case_args), lam_mode=case_args.lam,
-                         shift=not case_args.no_shift, cu_seqlens=_cu(case_args, device), chunk_size=case_args.chunk,
-                         window=case_args.window)
+        for _ in range(repeat):
+            launches.clear()
+            pairs = run_both(case_args.rule, *inputs, _dtype(case_args), lam_mode=case_args.lam,
+                             shift=not case_args.no_shift, cu_seqlens=_cu(case_args, device),
+                             chunk_size=case_args.chunk, window=case_args.window)
+            runs.append({name: ((ref - tri).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+                         for name, ref, tri in pairs})
+            print('end-to-end ratios:', {k: round(v, 4) for k, v in runs[-1].items()}, flush=True)
     finally:
         for target, orig in patched:
             target.run = orig
-    ratios = {name: ((ref - tri).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-              for name, ref, tri in pairs}
-    torch.save(dict(launches=launches, ratios=ratios, args=vars(case_args)), path)
+    torch.save(dict(launches=launches, ratios=runs, args=vars(case_args)), path)
     return launches
+
+
+def _short(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if v is not None and k not in ('num_ctas', 'ir_override')}
 
 
 def _cu(a, device):
@@ -139,7 +166,7 @@ def replay(path: str, only: list, top: int = 6) -> list:
             continue
         tuner, fn = kernels[L['name']]
         args = [a.clone() if isinstance(a, torch.Tensor) else a for a in L['before']]
-        fn[L['grid']](*args, **L['kwargs'])
+        fn[L['grid']](*args, **L['kwargs'], **L['config'])
         outs = []
         for j, (b, g, c) in enumerate(zip(L['before'], L['after'], args)):
             if not isinstance(c, torch.Tensor):
@@ -150,13 +177,28 @@ def replay(path: str, only: list, top: int = 6) -> list:
             outs.append(dict(arg=fn.arg_names[j], rel=rel, worst_rows=rows,
                              changed_on=('gpu ' if not torch.equal(b, g) else '') +
                              ('cpu' if not torch.equal(b, c) else '')))
-        report.append(dict(launch=i, name=L['name'], grid=L['grid'],
-                           config={k: v for k, v in L['kwargs'].items()
-                                   if k in ('num_warps', 'num_stages', 'BV', 'BK', 'UNROLL')}, outputs=outs))
+        per_config = []
+        for pc in L.get('per_config', []):   # the same launch under each of the autotuner's configs, on the GPU
+            if 'error' in pc:
+                per_config.append(dict(config=pc['config'], error=pc['error']))
+                continue
+            errs = {fn.arg_names[j]: _rows_err(g, c, top) for j, (b, g, c) in enumerate(zip(L['before'], pc['after'],
+                                                                                            args))
+                    if isinstance(c, torch.Tensor) and not (torch.equal(b, g) and torch.equal(b, c))}
+            per_config.append(dict(config=pc['config'], worst=max((e[0] for e in errs.values()), default=0.0),
+                                   outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
+        report.append(dict(launch=i, name=L['name'], grid=L['grid'], config=_short(L['config']), outputs=outs,
+                           per_config=per_config))
         worst = max((o['rel'] for o in outs), default=0.0)
-        print(f"[{i:2d}] {L['name']:22s} grid={L['grid']} worst rel {worst:.2e}", flush=True)
+        print(f"[{i:2d}] {L['name']:22s} grid={L['grid']} {_short(L['config'])} worst rel {worst:.2e}", flush=True)
         for o in outs:
             print(f"       {o['arg']:10s} {o['rel']:.2e}  ({o['changed_on'].strip()})  {o['worst_rows']}", flush=True)
+        for pc in per_config:
+            if 'error' in pc:
+                print(f"       config {pc['config']}: {pc['error']}", flush=True)
+                continue
+            bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in pc['outputs'].items() if v['rel'] > 1e-3}
+            print(f"       config {pc['config']}: worst rel {pc['worst']:.2e} {bad if bad else ''}", flush=True)
     return report
 
 
@@ -177,6 +219,10 @@ def main(argv=None):
     p.add_argument('--no-shift', action='store_true')
     p.add_argument('--chunk', type=int, default=64)
     p.add_argument('--band-form', choices=('fold', 'gather'), default=None)
+    p.add_argument('--repeat', type=int, default=2,
+                   help='runs of the case in the recording process; the last is recorded (default: %(default)s)')
+    p.add_argument('--all-configs', action='store_true',
+                   help="also run every autotuned launch under each of its autotuner's configs (on the GPU)")
     p.add_argument('--only', default='', help='comma-separated kernel names to replay (default: all)')
     p.add_argument('--mode', choices=('both', 'record', 'replay'), default='both',
                    help='both: record here (GPU), then replay in a subprocess under TRITON_INTERPRET=1')
@@ -190,7 +236,7 @@ def main(argv=None):
     if a.mode in ('both', 'record'):
         if not torch.cuda.is_available():   # the interpreter against itself: a check of this script
             print('no GPU: recording under the interpreter', flush=True)
-        launches = record(a, path)
+        launches = record(a, path, a.repeat, a.all_configs)
         print(f"recorded {len(launches)} launches: {', '.join(L['name'] for L in launches)}", flush=True)
         if a.mode == 'both':
             env = dict(os.environ, TRITON_INTERPRET='1', CUDA_VISIBLE_DEVICES='')
@@ -200,8 +246,8 @@ def main(argv=None):
     rec_args = torch.load(path, weights_only=False)['args']
     print('case:', {k: rec_args[k] for k in ('rule', 'T', 'H', 'K', 'V', 'window', 'cu', 'dtype', 'lam', 'no_shift',
                                             'chunk', 'band_form')}, flush=True)
-    print('end-to-end ratios on the GPU:', {k: round(v, 4) for k, v in torch.load(path, weights_only=False)
-                                            ['ratios'].items()}, flush=True)
+    for n, r in enumerate(torch.load(path, weights_only=False)['ratios']):
+        print(f"run {n}, end-to-end ratios: {({k: round(v, 4) for k, v in r.items()})}", flush=True)
     report = replay(path, [s for s in a.only.split(',') if s])
     with open(os.path.join(a.out, 'replay.json'), 'w') as f:
         json.dump(dict(case=rec_args, launches=report), f, indent=1)

@@ -91,13 +91,16 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     import replay_launches as rl
     argv = ['--rule', 'falcon3a', '--T', '40', '--H', '1', '--K', '16', '--V', '16', '--window', '3', '--cu', '0,15,40',
             '--chunk', '16', '--out', str(tmp_path)]
-    assert rl.main(argv + ['--mode', 'record']) == 0
+    assert rl.main(argv + ['--mode', 'record', '--all-configs', '--repeat', '1']) == 0
     path = tmp_path / 'launches.pt'
     rec = bc.torch.load(path, weights_only=False)
     names = [L['name'] for L in rec['launches']]
     assert {'_prep_fwd', '_fwd_h', '_fwd_o', '_bwd_dqx', '_win_bwd_pairs'} <= set(names), names
     report = rl.replay(str(path), [])
     assert all(o['rel'] == 0 for r in report for o in r['outputs']), report
+    # each autotuned launch again under its autotuner's configs (one here: the interpreter keeps the first)
+    assert all(len(r['per_config']) == 1 and r['per_config'][0]['worst'] == 0 for r in report
+               if r['name'] in ('_fwd_h', '_bwd_dqx')), report
     i = names.index('_bwd_dqx')
     j = rl._kernels()['_bwd_dqx'][1].arg_names.index('dq')
     rec['launches'][i]['after'][j][0, 23] += 1.0
