@@ -90,12 +90,15 @@ def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> 
                 L['per_config'] = []
                 for c in tuner.configs:
                     ck = c.all_kwargs()
-                    xs = [b.to(device, copy=True) if isinstance(b, torch.Tensor) else b for b in before]
+                    guarded = [_guarded(b, device) if isinstance(b, torch.Tensor) else (None, b) for b in before]
+                    xs = [x for _, x in guarded]
                     try:
                         fn.run(*xs, grid=_grid(kwargs['grid'], fn, args, dict(kw, **ck)), warmup=False, **kw, **ck)
                         if device == 'cuda':
                             torch.cuda.synchronize()
-                        L['per_config'].append(dict(config=_short(ck), after=[
+                        oob = {fn.arg_names[j]: n for j, (g, x) in enumerate(guarded)
+                               if g is not None and (n := _guard_hits(g, x))}
+                        L['per_config'].append(dict(config=_short(ck), oob=oob, after=[
                             x.cpu() if isinstance(x, torch.Tensor) else None for x in xs]))
                     except Exception as e:   # noqa: BLE001  (out of resources: reported)
                         L['per_config'].append(dict(config=_short(ck), error=f"{type(e).__name__}: {e}"[:200]))
@@ -124,6 +127,33 @@ def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> 
             target.run = orig
     torch.save(dict(launches=launches, ratios=runs, args=vars(case_args)), path)
     return launches
+
+
+GUARD = 1 << 16   # elements of canary on each side of a guarded copy
+
+
+def _guarded(t: torch.Tensor, device):
+    """A copy of t inside a larger buffer whose GUARD elements on each side hold a canary (a NaN bit pattern for
+    floats, a fixed value for ints): a launch that writes outside its argument changes them. Non-contiguous tensors
+    are copied as they are (unguarded)."""
+    if not t.is_contiguous():
+        return None, t.to(device, copy=True)
+    base = torch.empty(t.numel() + 2 * GUARD, dtype=t.dtype, device=device)
+    if t.dtype.is_floating_point:
+        base.fill_(float('nan'))
+    else:
+        base.fill_(-12345)
+    x = base[GUARD:GUARD + t.numel()].view(t.shape)
+    x.copy_(t)
+    return base, x
+
+
+def _guard_hits(base: torch.Tensor, x: torch.Tensor) -> int:
+    """Canary elements a launch changed around the guarded copy x."""
+    edge = torch.cat([base[:GUARD], base[GUARD + x.numel():]])
+    if edge.dtype.is_floating_point:
+        return int((~torch.isnan(edge)).sum())
+    return int((edge != -12345).sum())
 
 
 def _short(cfg: dict) -> dict:
@@ -186,6 +216,7 @@ def replay(path: str, only: list, top: int = 6) -> list:
                                                                                             args))
                     if isinstance(c, torch.Tensor) and not (torch.equal(b, g) and torch.equal(b, c))}
             per_config.append(dict(config=pc['config'], worst=max((e[0] for e in errs.values()), default=0.0),
+                                   oob=pc.get('oob', {}),
                                    outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
         report.append(dict(launch=i, name=L['name'], grid=L['grid'], config=_short(L['config']), outputs=outs,
                            per_config=per_config))
@@ -198,7 +229,8 @@ def replay(path: str, only: list, top: int = 6) -> list:
                 print(f"       config {pc['config']}: {pc['error']}", flush=True)
                 continue
             bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in pc['outputs'].items() if v['rel'] > 1e-3}
-            print(f"       config {pc['config']}: worst rel {pc['worst']:.2e} {bad if bad else ''}", flush=True)
+            oob = f" WRITES OUTSIDE {pc['oob']}" if pc['oob'] else ''
+            print(f"       config {pc['config']}: worst rel {pc['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
     return report
 
 

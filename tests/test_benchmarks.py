@@ -99,8 +99,15 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     report = rl.replay(str(path), [])
     assert all(o['rel'] == 0 for r in report for o in r['outputs']), report
     # each autotuned launch again under its autotuner's configs (one here: the interpreter keeps the first)
-    assert all(len(r['per_config']) == 1 and r['per_config'][0]['worst'] == 0 for r in report
-               if r['name'] in ('_fwd_h', '_bwd_dqx')), report
+    assert all(len(r['per_config']) == 1 and r['per_config'][0]['worst'] == 0 and not r['per_config'][0]['oob']
+               for r in report if r['name'] in ('_fwd_h', '_bwd_dqx')), report
+    # the canaries around each per-config copy: a write just outside it is counted
+    t = bc.torch.arange(6, dtype=bc.torch.float32).view(2, 3)
+    base, x = rl._guarded(t, 'cpu')
+    assert bc.torch.equal(x, t) and rl._guard_hits(base, x) == 0
+    base[rl.GUARD - 1] = 0.
+    base[rl.GUARD + 6] = 1.
+    assert rl._guard_hits(base, x) == 2
     i = names.index('_bwd_dqx')
     j = rl._kernels()['_bwd_dqx'][1].arg_names.index('dq')
     rec['launches'][i]['after'][j][0, 23] += 1.0
