@@ -10,12 +10,18 @@ autotuned kernel is recorded from the autotuner's entry, so a kernel whose bench
 reads (a missing ``restore_value``) shows too. A read of memory no launch wrote is not caught here (the replay
 reads the same bytes): fill the allocator with NaN for that.
 
-    # on the GPU machine: record, then replay in a fresh process under the interpreter, both in one call
+    # on the GPU machine: run the case twice (the first run autotunes), every autotuned launch again under each
+    # config on guarded copies (configs.json: how far each config's outputs are from the recorded run's, and the
+    # canaries it hit), and keep the launches of --keep for a replay elsewhere (launches_keep.pt)
     python scripts/replay_launches.py --rule falcon3a --T 1000 --H 2 --K 128 --V 128 --window 3 \\
-        --cu 0,100,611,1000 --dtype bf16 --out /tmp/L/replay
+        --cu 0,100,611,1000 --dtype bf16 --all-configs --out /tmp/L/replay
+    # then on a machine whose Triton interpreter runs these kernels (3.6's does not: it fails on `range` over a
+    # loaded scalar; CI's Triton does)
+    python scripts/replay_launches.py --mode replay --file launches_keep.pt --out /tmp/L/replay
 
-``--only _bwd_dqx,_bwd_dv_local`` replays only those kernels (the interpreter takes seconds to minutes a launch at
-K = V = 128). The case's inputs are tests/test_chunk.py's ``make_inputs`` (the same as scripts/diag_rows.py).
+``--mode both`` does both in one process tree where the interpreter can. ``--only _bwd_dqx`` replays only that
+kernel (the interpreter takes seconds to minutes a launch at K = V = 128). The case's inputs are tests/test_chunk.py's
+``make_inputs`` (the same as scripts/diag_rows.py).
 """
 
 from __future__ import annotations
@@ -133,10 +139,10 @@ GUARD = 1 << 16   # elements of canary on each side of a guarded copy
 
 
 def _guarded(t: torch.Tensor, device):
-    """A copy of t inside a larger buffer whose GUARD elements on each side hold a canary (a NaN bit pattern for
-    floats, a fixed value for ints): a launch that writes outside its argument changes them. Non-contiguous tensors
-    are copied as they are (unguarded)."""
-    if not t.is_contiguous():
+    """A copy of t inside a larger buffer whose GUARD elements on each side hold a canary (NaN for floats, a fixed
+    value for int32/int64): a launch that writes outside its argument changes them. Other tensors (non-contiguous,
+    other dtypes) are copied as they are (unguarded)."""
+    if not t.is_contiguous() or not (t.dtype.is_floating_point or t.dtype in (torch.int32, torch.int64)):
         return None, t.to(device, copy=True)
     base = torch.empty(t.numel() + 2 * GUARD, dtype=t.dtype, device=device)
     if t.dtype.is_floating_point:
@@ -185,6 +191,51 @@ def _rows_err(gpu: torch.Tensor, cpu: torch.Tensor, top: int):
     return rel, [(int(i), round(float(r[i]), 4)) for i in idx if r[i] > 0]
 
 
+def analyze(rec: dict, top: int = 6) -> list:
+    """On the recording machine (no interpreter needed): each autotuned launch's runs under the other configs against
+    the recorded run (per changed argument, relative difference and worst rows) and the canaries each config hit."""
+    kernels = _kernels()
+    report = []
+    for i, L in enumerate(rec['launches']):
+        if not L.get('per_config'):
+            continue
+        fn = kernels[L['name']][1]
+        rows = []
+        for pc in L['per_config']:
+            if 'error' in pc:
+                rows.append(dict(config=pc['config'], error=pc['error']))
+                continue
+            errs = {fn.arg_names[j]: _rows_err(x, g, top) for j, (b, g, x) in enumerate(zip(L['before'], L['after'],
+                                                                                            pc['after']))
+                    if isinstance(x, torch.Tensor) and not (torch.equal(b, g) and torch.equal(b, x))}
+            rows.append(dict(config=pc['config'], oob=pc['oob'], worst=max((e[0] for e in errs.values()), default=0.0),
+                             outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
+        report.append(dict(launch=i, name=L['name'], config=_short(L['config']), per_config=rows))
+        print(f"[{i:2d}] {L['name']:22s} recorded with {_short(L['config'])}", flush=True)
+        for r in rows:
+            if 'error' in r:
+                print(f"       config {r['config']}: {r['error']}", flush=True)
+                continue
+            bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in r['outputs'].items() if v['rel'] > 1e-3}
+            oob = f" WRITES OUTSIDE {r['oob']}" if r['oob'] else ''
+            print(f"       config {r['config']}: differs by {r['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
+    return report
+
+
+def keep(rec: dict, names: list, path: str) -> int:
+    """The launches of `names` alone, for a replay elsewhere (the lease's files come back 16 MiB at most): their
+    "after" tensors only where the launch changed them, no per-config runs. Returns the file's size in bytes."""
+    small = []
+    for L in rec['launches']:
+        if L['name'] not in names:
+            continue
+        after = [g if isinstance(g, torch.Tensor) and not torch.equal(b, g) else None
+                 for b, g in zip(L['before'], L['after'])]
+        small.append({k: v for k, v in L.items() if k not in ('after', 'per_config')} | dict(after=after))
+    torch.save(dict(rec, launches=small), path)
+    return os.path.getsize(path)
+
+
 def replay(path: str, only: list, top: int = 6) -> list:
     """Replays each recorded launch under the interpreter from its "before" tensors; compares with the GPU's
     "after" tensors: per changed tensor argument, the relative error and the worst rows."""
@@ -201,6 +252,7 @@ def replay(path: str, only: list, top: int = 6) -> list:
         for j, (b, g, c) in enumerate(zip(L['before'], L['after'], args)):
             if not isinstance(c, torch.Tensor):
                 continue
+            g = b if g is None else g   # a kept file stores only what the launch changed
             if torch.equal(b, g) and torch.equal(b, c):
                 continue
             rel, rows = _rows_err(g, c, top)
@@ -256,9 +308,14 @@ def main(argv=None):
     p.add_argument('--all-configs', action='store_true',
                    help="also run every autotuned launch under each of its autotuner's configs (on the GPU)")
     p.add_argument('--only', default='', help='comma-separated kernel names to replay (default: all)')
-    p.add_argument('--mode', choices=('both', 'record', 'replay'), default='both',
-                   help='both: record here (GPU), then replay in a subprocess under TRITON_INTERPRET=1')
-    p.add_argument('--out', default='replay', help='folder for launches.pt and replay.json (default: %(default)s)')
+    p.add_argument('--mode', choices=('both', 'record', 'replay'), default='record',
+                   help='record: run the case here (GPU), compare the configs there, keep --keep launches for a '
+                        'replay elsewhere; replay: under the interpreter (Triton >= 3.7: 3.6\'s interpreter cannot '
+                        'run these kernels); both: record, then replay in a subprocess (default: %(default)s)')
+    p.add_argument('--keep', default='_bwd_dqx,_win_bwd_band',
+                   help='kernels whose launches go into launches_keep.pt (default: %(default)s)')
+    p.add_argument('--file', default='launches.pt', help='the recording replay reads, in --out (default: %(default)s)')
+    p.add_argument('--out', default='replay', help='folder for the recordings and reports (default: %(default)s)')
     a = p.parse_args(argv)
     if a.band_form:
         import fla_falcon.ops.falcon.chunk as ch
@@ -270,18 +327,25 @@ def main(argv=None):
             print('no GPU: recording under the interpreter', flush=True)
         launches = record(a, path, a.repeat, a.all_configs)
         print(f"recorded {len(launches)} launches: {', '.join(L['name'] for L in launches)}", flush=True)
+        rec = torch.load(path, weights_only=False)
+        report = analyze(rec)
+        with open(os.path.join(a.out, 'configs.json'), 'w') as f:
+            json.dump(dict(case=vars(a), ratios=rec['ratios'], launches=report), f, indent=1)
+        size = keep(rec, [s for s in a.keep.split(',') if s], os.path.join(a.out, 'launches_keep.pt'))
+        print(f"launches_keep.pt: {size / 2**20:.1f} MiB", flush=True)
         if a.mode == 'both':
             env = dict(os.environ, TRITON_INTERPRET='1', CUDA_VISIBLE_DEVICES='')
             cmd = [sys.executable, os.path.abspath(__file__), '--mode', 'replay', '--out', a.out, '--only', a.only]
             return subprocess.call(cmd, env=env)
         return 0
+    path = os.path.join(a.out, a.file)
     rec_args = torch.load(path, weights_only=False)['args']
     print('case:', {k: rec_args[k] for k in ('rule', 'T', 'H', 'K', 'V', 'window', 'cu', 'dtype', 'lam', 'no_shift',
                                             'chunk', 'band_form')}, flush=True)
     for n, r in enumerate(torch.load(path, weights_only=False)['ratios']):
         print(f"run {n}, end-to-end ratios: {({k: round(v, 4) for k, v in r.items()})}", flush=True)
     report = replay(path, [s for s in a.only.split(',') if s])
-    with open(os.path.join(a.out, 'replay.json'), 'w') as f:
+    with open(os.path.join(a.out, a.file.replace('.pt', '') + '_replay.json'), 'w') as f:
         json.dump(dict(case=rec_args, launches=report), f, indent=1)
     return 0
 

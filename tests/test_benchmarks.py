@@ -98,6 +98,12 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     assert {'_prep_fwd', '_fwd_h', '_fwd_o', '_bwd_dqx', '_win_bwd_pairs'} <= set(names), names
     report = rl.replay(str(path), [])
     assert all(o['rel'] == 0 for r in report for o in r['outputs']), report
+    # the recording side's comparison of the configs, and the launches kept for a replay elsewhere
+    cfg = json.loads((tmp_path / 'configs.json').read_text())
+    assert any(r['name'] == '_bwd_dqx' for r in cfg['launches']) and len(cfg['ratios']) == 1
+    assert all(c['worst'] == 0 and not c['oob'] for r in cfg['launches'] for c in r['per_config']), cfg
+    kept = rl.replay(str(tmp_path / 'launches_keep.pt'), [])
+    assert [r['name'] for r in kept] == ['_bwd_dqx'] and all(o['rel'] == 0 for o in kept[0]['outputs']), kept
     # each autotuned launch again under its autotuner's configs (one here: the interpreter keeps the first)
     assert all(len(r['per_config']) == 1 and r['per_config'][0]['worst'] == 0 and not r['per_config'][0]['oob']
                for r in report if r['name'] in ('_fwd_h', '_bwd_dqx')), report

@@ -45,6 +45,9 @@ echo "=== alt"; grep -E "^## |^\| (_|chunk|fal)" $L/alt/chunk.md $L/alt/chunk_pr
 for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; done
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
     chain.log stage tests* extra* precmd.log sidecmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep alt 2>/dev/null
+# files a command left in $L/out (at most 6, each under 16 MiB: the device's limits on what comes back) come back
+# beside results.tgz, e.g. the parts of a launch recording (scripts/replay_launches.py, split -b 15M)
+for f in $L/out/*; do [ -f "$f" ] && cp "$f" $OUT/; done
 if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
     tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
