@@ -47,9 +47,8 @@ def row_report(name, ref, tri, T, cu, chunk, window, top):
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_case_args(p: argparse.ArgumentParser) -> None:
+    """The case's options (tests/test_chunk.py's make_inputs and run_both), shared with scripts/replay_launches.py."""
     p.add_argument('--rule', default='falcon3a')
     p.add_argument('--B', type=int, default=1)
     p.add_argument('--T', type=int, default=1000)
@@ -63,10 +62,16 @@ def main(argv=None):
     p.add_argument('--lam', choices=('off', 'on', 'coupled'), default='coupled')
     p.add_argument('--no-shift', action='store_true')
     p.add_argument('--chunk', type=int, default=64)
-    p.add_argument('--top', type=int, default=8, help='worst rows listed per tensor')
-    p.add_argument('--also-fp32', action='store_true', help='the same case in fp32 on the bf16-rounded inputs')
     p.add_argument('--band-form', choices=('fold', 'gather'), default=None,
                    help="falcon3a's band in the backward (chunk.BAND_FORM; default: the package's)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_case_args(p)
+    p.add_argument('--top', type=int, default=8, help='worst rows listed per tensor')
+    p.add_argument('--also-fp32', action='store_true', help='the same case in fp32 on the bf16-rounded inputs')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--out', default=None, help='write the report as JSON here')
     a = p.parse_args(argv)

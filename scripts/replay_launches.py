@@ -38,6 +38,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests')]
 import fla_falcon  # noqa: E402,F401  (first: Triton's interpreter where there is no GPU or TRITON_INTERPRET=1)
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from diag_rows import add_case_args  # noqa: E402
+
 MODULES = ('fla_falcon.ops.falcon.chunk', 'fla_falcon.ops.falcon.chunk_col', 'fla_falcon.ops.falcon.chunk_win')
 
 
@@ -191,6 +194,32 @@ def _rows_err(gpu: torch.Tensor, cpu: torch.Tensor, top: int):
     return rel, [(int(i), round(float(r[i]), 4)) for i in idx if r[i] > 0]
 
 
+def _config_rows(L: dict, fn, ref: list, top: int) -> list:
+    """Each per-config run of launch L against `ref` (the tensors after the launch to compare with): per changed
+    argument, the relative difference and the worst rows, and the canaries the config hit."""
+    rows = []
+    for pc in L.get('per_config', []):
+        if 'error' in pc:
+            rows.append(dict(config=pc['config'], error=pc['error']))
+            continue
+        errs = {fn.arg_names[j]: _rows_err(x, r, top) for j, (b, r, x) in enumerate(zip(L['before'], ref, pc['after']))
+                if isinstance(x, torch.Tensor) and not (torch.equal(b, r) and torch.equal(b, x))}
+        rows.append(dict(config=pc['config'], oob=pc.get('oob', {}),
+                         worst=max((e[0] for e in errs.values()), default=0.0),
+                         outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
+    return rows
+
+
+def _print_config_rows(rows: list) -> None:
+    for r in rows:
+        if 'error' in r:
+            print(f"       config {r['config']}: {r['error']}", flush=True)
+            continue
+        bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in r['outputs'].items() if v['rel'] > 1e-3}
+        oob = f" WRITES OUTSIDE {r['oob']}" if r['oob'] else ''
+        print(f"       config {r['config']}: differs by {r['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
+
+
 def analyze(rec: dict, top: int = 6) -> list:
     """On the recording machine (no interpreter needed): each autotuned launch's runs under the other configs against
     the recorded run (per changed argument, relative difference and worst rows) and the canaries each config hit."""
@@ -200,25 +229,10 @@ def analyze(rec: dict, top: int = 6) -> list:
         if not L.get('per_config'):
             continue
         fn = kernels[L['name']][1]
-        rows = []
-        for pc in L['per_config']:
-            if 'error' in pc:
-                rows.append(dict(config=pc['config'], error=pc['error']))
-                continue
-            errs = {fn.arg_names[j]: _rows_err(x, g, top) for j, (b, g, x) in enumerate(zip(L['before'], L['after'],
-                                                                                            pc['after']))
-                    if isinstance(x, torch.Tensor) and not (torch.equal(b, g) and torch.equal(b, x))}
-            rows.append(dict(config=pc['config'], oob=pc['oob'], worst=max((e[0] for e in errs.values()), default=0.0),
-                             outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
+        rows = _config_rows(L, fn, L['after'], top)
         report.append(dict(launch=i, name=L['name'], config=_short(L['config']), per_config=rows))
         print(f"[{i:2d}] {L['name']:22s} recorded with {_short(L['config'])}", flush=True)
-        for r in rows:
-            if 'error' in r:
-                print(f"       config {r['config']}: {r['error']}", flush=True)
-                continue
-            bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in r['outputs'].items() if v['rel'] > 1e-3}
-            oob = f" WRITES OUTSIDE {r['oob']}" if r['oob'] else ''
-            print(f"       config {r['config']}: differs by {r['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
+        _print_config_rows(rows)
     return report
 
 
@@ -259,50 +273,21 @@ def replay(path: str, only: list, top: int = 6) -> list:
             outs.append(dict(arg=fn.arg_names[j], rel=rel, worst_rows=rows,
                              changed_on=('gpu ' if not torch.equal(b, g) else '') +
                              ('cpu' if not torch.equal(b, c) else '')))
-        per_config = []
-        for pc in L.get('per_config', []):   # the same launch under each of the autotuner's configs, on the GPU
-            if 'error' in pc:
-                per_config.append(dict(config=pc['config'], error=pc['error']))
-                continue
-            errs = {fn.arg_names[j]: _rows_err(g, c, top) for j, (b, g, c) in enumerate(zip(L['before'], pc['after'],
-                                                                                            args))
-                    if isinstance(c, torch.Tensor) and not (torch.equal(b, g) and torch.equal(b, c))}
-            per_config.append(dict(config=pc['config'], worst=max((e[0] for e in errs.values()), default=0.0),
-                                   oob=pc.get('oob', {}),
-                                   outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
+        per_config = _config_rows(L, fn, args, top)   # each config on the GPU against the interpreter
         report.append(dict(launch=i, name=L['name'], grid=L['grid'], config=_short(L['config']), outputs=outs,
                            per_config=per_config))
         worst = max((o['rel'] for o in outs), default=0.0)
         print(f"[{i:2d}] {L['name']:22s} grid={L['grid']} {_short(L['config'])} worst rel {worst:.2e}", flush=True)
         for o in outs:
             print(f"       {o['arg']:10s} {o['rel']:.2e}  ({o['changed_on'].strip()})  {o['worst_rows']}", flush=True)
-        for pc in per_config:
-            if 'error' in pc:
-                print(f"       config {pc['config']}: {pc['error']}", flush=True)
-                continue
-            bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in pc['outputs'].items() if v['rel'] > 1e-3}
-            oob = f" WRITES OUTSIDE {pc['oob']}" if pc['oob'] else ''
-            print(f"       config {pc['config']}: worst rel {pc['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
+        _print_config_rows(per_config)
     return report
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--rule', default='falcon3a')
-    p.add_argument('--B', type=int, default=1)
-    p.add_argument('--T', type=int, default=1000)
-    p.add_argument('--H', type=int, default=2)
-    p.add_argument('--G', type=int, default=1, help='value heads per key head')
-    p.add_argument('--K', type=int, default=128)
-    p.add_argument('--V', type=int, default=128)
-    p.add_argument('--window', type=int, default=1)
-    p.add_argument('--cu', default=None, help='cu_seqlens, comma-separated (B must be 1)')
-    p.add_argument('--dtype', choices=('bf16', 'fp32'), default='bf16')
-    p.add_argument('--lam', choices=('off', 'on', 'coupled'), default='coupled')
-    p.add_argument('--no-shift', action='store_true')
-    p.add_argument('--chunk', type=int, default=64)
-    p.add_argument('--band-form', choices=('fold', 'gather'), default=None)
+    add_case_args(p)
     p.add_argument('--repeat', type=int, default=2,
                    help='runs of the case in the recording process; the last is recorded (default: %(default)s)')
     p.add_argument('--all-configs', action='store_true',
