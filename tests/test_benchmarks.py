@@ -86,7 +86,7 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     # scripts/replay_launches.py, the interpreter against itself: every launch replays to the recorded outputs
     # exactly; a recorded output changed at one row (what a miscompiled GPU launch leaves) is named with that row
     if bc.torch.cuda.is_available():
-        pytest.skip('records and replays under the interpreter here; on the GPU it replays in a subprocess')
+        pytest.skip('records and replays under the interpreter (a GPU records; the replay runs where no GPU is)')
     sys.path.insert(0, str(ROOT / 'scripts'))
     import replay_launches as rl
     argv = ['--rule', 'falcon3a', '--T', '40', '--H', '1', '--K', '16', '--V', '16', '--window', '3', '--cu', '0,15,40',
