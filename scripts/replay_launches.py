@@ -67,16 +67,18 @@ def _grid(grid, fn, args, kwargs):
 
 
 def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> list:
-    """Runs the case `repeat` times and records every launch of the chunk kernels in the last run: (name, grid,
-    constexpr and scalar arguments, the autotuner's chosen config, tensors before and after), saved to `path` with
-    each run's end-to-end ratios against the reference. The first run autotunes, the later ones reuse its configs: a
-    first run that fails where a later one passes points at the autotuner's benchmarking. all_configs: each autotuned
-    launch is run again under every config of its autotuner, from the same "before" tensors (per_config)."""
+    """Runs the case `repeat` times and records every launch of the chunk kernels: (name, grid, constexpr and scalar
+    arguments, the autotuner's chosen config, the tensors' addresses, the tensors before and after), saved to `path`
+    with each run's end-to-end ratios against the reference: `launches` of the last run, `first` of the first. The
+    first run autotunes, the later ones reuse its configs: a first run that fails where a later one passes points at
+    the autotuner's benchmarking. all_configs: each autotuned launch of the last run again under every config of its
+    autotuner, from the same "before" tensors (per_config)."""
     from test_chunk import make_inputs, run_both
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     launches = []
     kernels = _kernels()
     patched = []
+    last_run = [repeat == 1]
 
     def snap(args):
         return [a.detach().cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -93,9 +95,10 @@ def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> 
             cfg = tuner.best_config.all_kwargs() if tuner is not None else {}
             kw = {k: v for k, v in kwargs.items() if k not in ('grid', 'warmup')}
             L = dict(name=name, grid=_grid(kwargs['grid'], fn, args, dict(kw, **cfg)), kwargs=kw, config=cfg,
+                     ptrs=[a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args],
                      before=before, after=[a.detach().cpu().clone() if isinstance(a, torch.Tensor) else None
                                            for a in args])
-            if all_configs and tuner is not None:
+            if all_configs and tuner is not None and last_run[0]:
                 L['per_config'] = []
                 for c in tuner.configs:
                     ck = c.all_kwargs()
@@ -123,8 +126,10 @@ def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> 
         inputs = make_inputs(case_args.rule, case_args.B, case_args.T, case_args.H, case_args.G, case_args.K,
                              case_args.V, case_args.lam, True, device, cu_seqlens=_cu(case_args, device),
                              window=case_args.window)
-        for _ in range(repeat):
-            launches.clear()
+        first = []
+        for r in range(repeat):
+            last_run[0] = r == repeat - 1
+            launches = [] if r else first
             pairs = run_both(case_args.rule, *inputs, _dtype(case_args), lam_mode=case_args.lam,
                              shift=not case_args.no_shift, cu_seqlens=_cu(case_args, device),
                              chunk_size=case_args.chunk, window=case_args.window)
@@ -134,7 +139,7 @@ def record(case_args, path: str, repeat: int = 1, all_configs: bool = False) -> 
     finally:
         for target, orig in patched:
             target.run = orig
-    torch.save(dict(launches=launches, ratios=runs, args=vars(case_args)), path)
+    torch.save(dict(launches=launches, first=first if repeat > 1 else [], ratios=runs, args=vars(case_args)), path)
     return launches
 
 
@@ -220,33 +225,71 @@ def _print_config_rows(rows: list) -> None:
         print(f"       config {r['config']}: differs by {r['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
 
 
-def analyze(rec: dict, top: int = 6) -> list:
-    """On the recording machine (no interpreter needed): each autotuned launch's runs under the other configs against
-    the recorded run (per changed argument, relative difference and worst rows) and the canaries each config hit."""
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
+def between_launches(launches: list, kernels: dict, top: int = 6) -> list:
+    """Tensors changed between launches: each tensor argument (by address, shape and dtype) at a launch's start
+    against itself at the end of the previous launch that had it. Outside the launches only the host code and the
+    autotuner's benchmark runs touch them (a memory block freed and reused with the same shape shows too)."""
+    seen, out = {}, []
+    for i, L in enumerate(launches):
+        fn = kernels[L['name']][1]
+        for j, (ptr, b, a) in enumerate(zip(L['ptrs'], L['before'], L['after'])):
+            if ptr is None:
+                continue
+            key = (ptr, tuple(b.shape), b.dtype)
+            if key in seen:
+                i0, where0, t0 = seen[key]
+                if not _same(t0, b):
+                    rel, rows = _rows_err(b, t0, top)
+                    out.append(dict(tensor=f"{L['name']}.{fn.arg_names[j]}", written_by=where0, launches=(i0, i),
+                                    rel=rel, worst_rows=rows))
+            seen[key] = (i, f"{L['name']}.{fn.arg_names[j]}", a)
+    return out
+
+
+def analyze(rec: dict, top: int = 6) -> dict:
+    """On the recording machine (no interpreter needed): in each recorded run, the tensors changed between launches
+    (between_launches); in the last run, each autotuned launch's runs under the other configs against the recorded
+    run (per changed argument, relative difference and worst rows) and the canaries each config hit."""
     kernels = _kernels()
-    report = []
+    report = dict(between={}, configs=[])
+    for run, launches in (('first', rec.get('first', [])), ('last', rec['launches'])):
+        if not launches:
+            continue
+        changed = between_launches(launches, kernels, top)
+        report['between'][run] = changed
+        print(f"{run} run: {len(launches)} launches; tensors changed between launches: {len(changed)}", flush=True)
+        for c in changed:
+            print(f"       {c['tensor']} (after {c['written_by']}, launches {c['launches']}): {c['rel']:.2e} "
+                  f"{c['worst_rows'][:4]}", flush=True)
     for i, L in enumerate(rec['launches']):
         if not L.get('per_config'):
             continue
         fn = kernels[L['name']][1]
         rows = _config_rows(L, fn, L['after'], top)
-        report.append(dict(launch=i, name=L['name'], config=_short(L['config']), per_config=rows))
+        report['configs'].append(dict(launch=i, name=L['name'], config=_short(L['config']), per_config=rows))
         print(f"[{i:2d}] {L['name']:22s} recorded with {_short(L['config'])}", flush=True)
         _print_config_rows(rows)
     return report
 
 
 def keep(rec: dict, names: list, path: str) -> int:
-    """The launches of `names` alone, for a replay elsewhere (the lease's files come back 16 MiB at most): their
-    "after" tensors only where the launch changed them, no per-config runs. Returns the file's size in bytes."""
+    """The launches of `names` alone, for a replay elsewhere (the lease's files come back 16 MiB at most), from the
+    first run (the one that autotuned) where there were several: their "after" tensors only where the launch changed
+    them, no per-config runs. Returns the file's size in bytes."""
     small = []
-    for L in rec['launches']:
+    for L in rec.get('first') or rec['launches']:
         if L['name'] not in names:
             continue
         after = [g if isinstance(g, torch.Tensor) and not torch.equal(b, g) else None
                  for b, g in zip(L['before'], L['after'])]
         small.append({k: v for k, v in L.items() if k not in ('after', 'per_config')} | dict(after=after))
-    torch.save(dict(rec, launches=small), path)
+    torch.save(dict(rec, launches=small, first=[]), path)
     return os.path.getsize(path)
 
 
@@ -315,7 +358,7 @@ def main(argv=None):
         rec = torch.load(path, weights_only=False)
         report = analyze(rec)
         with open(os.path.join(a.out, 'configs.json'), 'w') as f:
-            json.dump(dict(case=vars(a), ratios=rec['ratios'], launches=report), f, indent=1)
+            json.dump(dict(case=vars(a), ratios=rec['ratios'], **report), f, indent=1)
         size = keep(rec, [s for s in a.keep.split(',') if s], os.path.join(a.out, 'launches_keep.pt'))
         print(f"launches_keep.pt: {size / 2**20:.1f} MiB", flush=True)
         if a.mode == 'both':

@@ -91,7 +91,7 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     import replay_launches as rl
     argv = ['--rule', 'falcon3a', '--T', '40', '--H', '1', '--K', '16', '--V', '16', '--window', '3', '--cu', '0,15,40',
             '--chunk', '16', '--out', str(tmp_path)]
-    assert rl.main(argv + ['--mode', 'record', '--all-configs', '--repeat', '1']) == 0
+    assert rl.main(argv + ['--mode', 'record', '--all-configs', '--repeat', '2']) == 0
     path = tmp_path / 'launches.pt'
     rec = bc.torch.load(path, weights_only=False)
     names = [L['name'] for L in rec['launches']]
@@ -100,8 +100,10 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     assert all(o['rel'] == 0 for r in report for o in r['outputs']), report
     # the recording side's comparison of the configs, and the launches kept for a replay elsewhere
     cfg = json.loads((tmp_path / 'configs.json').read_text())
-    assert any(r['name'] == '_bwd_dqx' for r in cfg['launches']) and len(cfg['ratios']) == 1
-    assert all(c['worst'] == 0 and not c['oob'] for r in cfg['launches'] for c in r['per_config']), cfg
+    assert any(r['name'] == '_bwd_dqx' for r in cfg['configs']) and len(cfg['ratios']) == 2
+    assert all(c['worst'] == 0 and not c['oob'] for r in cfg['configs'] for c in r['per_config']), cfg
+    # no tensor changed between launches, in either run (the first one's launches are kept too)
+    assert cfg['between'] == {'first': [], 'last': []} and len(rec['first']) == len(rec['launches'])
     kept = rl.replay(str(tmp_path / 'launches_keep.pt'), [])
     assert [r['name'] for r in kept] == ['_bwd_dqx'] and all(o['rel'] == 0 for o in kept[0]['outputs']), kept
     # each autotuned launch again under its autotuner's configs (one here: the interpreter keeps the first)
@@ -114,8 +116,14 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     base[rl.GUARD - 1] = 0.
     base[rl.GUARD + 6] = 1.
     assert rl._guard_hits(base, x) == 2
+    # a tensor changed between two launches (what a benchmark run's stray write would leave) is named
+    kernels = rl._kernels()
+    k = names.index('_fwd_h')
+    rec['first'][k]['after'][kernels['_fwd_h'][1].arg_names.index('h')][0] += 1.0
+    changed = rl.between_launches(rec['first'], kernels)
+    assert changed and changed[0]['written_by'] == '_fwd_h.h' and changed[0]['tensor'].endswith('.h'), changed
     i = names.index('_bwd_dqx')
-    j = rl._kernels()['_bwd_dqx'][1].arg_names.index('dq')
+    j = kernels['_bwd_dqx'][1].arg_names.index('dq')
     rec['launches'][i]['after'][j][0, 23] += 1.0
     bc.torch.save(rec, path)
     report = rl.replay(str(path), ['_bwd_dqx'])
