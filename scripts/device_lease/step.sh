@@ -50,6 +50,8 @@ cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
 for f in $L/out/*; do [ -f "$f" ] && cp "$f" $OUT/; done
 if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
+    # the libraries' autotune choices alone (kernel names not starting with '_'), to merge into the committed ones
+    (cd $C && find . -name '*.autotune.json' ! -name '_*' | tar cf - -T -) | xz -9 > $OUT/fla_autotune.tar.xz
     tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
     if [ $(stat -c %s /tmp/tc.tar.xz) -gt $((4 * 15 * 1024 * 1024)) ]; then   # only the autotune results
         (cd $C && find . -name '*.autotune.json' | tar cf - -T -) | xz -T0 -1 > /tmp/tc.tar.xz
