@@ -25,7 +25,8 @@
 #   PRE_CMD   a shell command run after PRE_BENCH/ACCURACY, before TESTS and MODELS (the GPU to itself), output in
 #             /tmp/L/precmd.log; e.g. tests and a timing of files carried untracked from a work-in-progress branch
 #   SIDE_CMD  a shell command run beside TESTS and MODELS (after PRE_CMD; the GPU shared), output in /tmp/L/sidecmd.log
-#   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done; empty: none
+#   BENCH     arguments of benchmarks/benchmark_chunk.py, run when the rest is done (with two GPUs: from the start,
+#             on the second); empty: none
 set -x
 L=/tmp/L
 cd "$(dirname "$0")/../.."
@@ -43,6 +44,15 @@ if [ -f scripts/device_lease/fla_autotune.tar.xz ]; then
 fi
 if [ -d .tcache ] && ls .tcache/tc.tar.xz.* >/dev/null 2>&1; then   # a Triton cache carried from an earlier lease
     mkdir -p ~/.triton/cache && cat .tcache/tc.tar.xz.* | xz -d | tar xf - -C ~/.triton/cache && stage "cache restored"
+fi
+# two GPUs (the nvidia-h200-x2 kind): the benchmark has the second to itself from the start, the rest runs on the
+# first, instead of the benchmark waiting for the rest (the thirteenth and fourteenth leases never reached it)
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && [ -n "${BENCH:-}" ]; then
+    ( stage "bench (GPU 1)"
+      CUDA_VISIBLE_DEVICES=1 python3 benchmarks/benchmark_chunk.py $BENCH --out $L/bench > $L/bench.log 2>&1
+      stage "bench done" ) &
+    export CUDA_VISIBLE_DEVICES=0
+    BENCH_EARLY=1
 fi
 if [ -n "${WARM:-}" ]; then
     (
@@ -120,7 +130,7 @@ g.replay(); torch.cuda.synchronize(); assert y.sum().item() == 16"; then
         --jobs ${JOBS:-2} --threads 2 --resume --time-budget $(budget) --no-progress --out $L/paper > $L/paper.log 2>&1
 fi
 wait
-if [ -n "${BENCH:-}" ]; then
+if [ -n "${BENCH:-}" ] && [ -z "${BENCH_EARLY:-}" ]; then
     stage "bench"
     python3 benchmarks/benchmark_chunk.py $BENCH --out $L/bench > $L/bench.log 2>&1
 fi
