@@ -130,3 +130,20 @@ def test_replay_launches_finds_a_differing_launch(tmp_path):
     dq = [o for o in report[0]['outputs'] if o['arg'] == 'dq'][0]
     assert dq['rel'] > 1e-2 and dq['worst_rows'][0][0] == 23, dq
     assert all(o['rel'] == 0 for o in report[0]['outputs'] if o['arg'] != 'dq'), report
+
+
+def test_run_case_runs_forward_and_backward(capsys):
+    # scripts/run_case.py (a compute-sanitizer target): the case's backward reaches every input, the same each call
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import run_case
+    args = ['--rule', 'falcon3a', '--T', '20', '--H', '1', '--K', '16', '--V', '16', '--window', '2', '--cu', '0,7,20',
+            '--chunk', '16']
+    assert run_case.main(args + ['--repeat', '2']) == 0
+    calls = [line for line in capsys.readouterr().out.splitlines() if line.startswith('call ')]
+    assert len(calls) == 2 and calls[0].split(':', 1)[1] == calls[1].split(':', 1)[1], calls
+    import argparse
+    p = argparse.ArgumentParser()
+    run_case.add_case_args(p)
+    norms = run_case.run(p.parse_args(args))
+    assert set(norms) == {'q', 'k', 'v', 'beta', 'lam', 'S0', 'last_k', 'tail_x', 'tail_v'}
+    assert all(v > 0 for v in norms.values()), norms
