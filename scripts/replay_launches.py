@@ -170,6 +170,13 @@ def _guard_hits(base: torch.Tensor, x: torch.Tensor) -> int:
     return int((edge != -12345).sum())
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN (a buffer's unwritten part is whatever the allocator left, NaN too)."""
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
 def _short(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if v is not None and k not in ('num_ctas', 'ir_override')}
 
@@ -186,9 +193,12 @@ def _rows_err(gpu: torch.Tensor, cpu: torch.Tensor, top: int):
     """Relative error of the whole tensor and of its worst rows (first dimension after merging the leading
     [B, T] or [chunks] dims: the row is the tensor's first dimension whose size is not 1)."""
     g, c = gpu.double(), cpu.double()
+    both = torch.isnan(g) & torch.isnan(c)   # unwritten on both sides
+    g, c = g.masked_fill(both, 0), c.masked_fill(both, 0)
+    x = torch.where(g == c, 0., g - c)   # the same bits (garbage an unwritten part holds, inf too) count as equal
+    c = torch.where(torch.isfinite(c), c, 0.)   # magnitudes from the finite entries
     den = c.norm().item()
-    rel = (g - c).norm().item() / den if den > 0 else (g - c).norm().item()
-    x = g - c
+    rel = x.norm().item() / den if den > 0 else x.norm().item()
     lead = x.reshape(-1, *x.shape[2:]) if x.dim() > 2 and x.shape[0] == 1 else x
     if lead.dim() < 2:
         return rel, []
@@ -208,7 +218,7 @@ def _config_rows(L: dict, fn, ref: list, top: int) -> list:
             rows.append(dict(config=pc['config'], error=pc['error']))
             continue
         errs = {fn.arg_names[j]: _rows_err(x, r, top) for j, (b, r, x) in enumerate(zip(L['before'], ref, pc['after']))
-                if isinstance(x, torch.Tensor) and not (torch.equal(b, r) and torch.equal(b, x))}
+                if isinstance(x, torch.Tensor) and not (_same(b, r) and _same(b, x))}
         rows.append(dict(config=pc['config'], oob=pc.get('oob', {}),
                          worst=max((e[0] for e in errs.values()), default=0.0),
                          outputs={k: dict(rel=e[0], worst_rows=e[1]) for k, e in errs.items()}))
@@ -223,12 +233,6 @@ def _print_config_rows(rows: list) -> None:
         bad = {k: (f"{v['rel']:.1e}", v['worst_rows'][:3]) for k, v in r['outputs'].items() if v['rel'] > 1e-3}
         oob = f" WRITES OUTSIDE {r['oob']}" if r['oob'] else ''
         print(f"       config {r['config']}: differs by {r['worst']:.2e} {bad if bad else ''}{oob}", flush=True)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_floating_point():
-        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-    return torch.equal(a, b)
 
 
 def between_launches(launches: list, kernels: dict, top: int = 6) -> list:
@@ -286,7 +290,7 @@ def keep(rec: dict, names: list, path: str) -> int:
     for L in rec.get('first') or rec['launches']:
         if L['name'] not in names:
             continue
-        after = [g if isinstance(g, torch.Tensor) and not torch.equal(b, g) else None
+        after = [g if isinstance(g, torch.Tensor) and not _same(b, g) else None
                  for b, g in zip(L['before'], L['after'])]
         small.append({k: v for k, v in L.items() if k not in ('after', 'per_config')} | dict(after=after))
     torch.save(dict(rec, launches=small, first=[]), path)
@@ -310,12 +314,11 @@ def replay(path: str, only: list, top: int = 6) -> list:
             if not isinstance(c, torch.Tensor):
                 continue
             g = b if g is None else g   # a kept file stores only what the launch changed
-            if torch.equal(b, g) and torch.equal(b, c):
+            if _same(b, g) and _same(b, c):
                 continue
             rel, rows = _rows_err(g, c, top)
             outs.append(dict(arg=fn.arg_names[j], rel=rel, worst_rows=rows,
-                             changed_on=('gpu ' if not torch.equal(b, g) else '') +
-                             ('cpu' if not torch.equal(b, c) else '')))
+                             changed_on=('gpu ' if not _same(b, g) else '') + ('cpu' if not _same(b, c) else '')))
         per_config = _config_rows(L, fn, args, top)   # each config on the GPU against the interpreter
         report.append(dict(launch=i, name=L['name'], grid=L['grid'], config=_short(L['config']), outputs=outs,
                            per_config=per_config))
