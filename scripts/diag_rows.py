@@ -66,6 +66,15 @@ def add_case_args(p: argparse.ArgumentParser) -> None:
                    help="falcon3a's band in the backward (chunk.BAND_FORM; default: the package's)")
 
 
+
+def case_cu_seqlens(a, device):
+    """--cu as a tensor on `device` (None without it)."""
+    return torch.tensor([int(x) for x in a.cu.split(',')], device=device) if a.cu else None
+
+
+def case_dtype(a):
+    return torch.bfloat16 if a.dtype == 'bf16' else torch.float32
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +89,7 @@ def main(argv=None):
         import fla_falcon.ops.falcon.chunk as ch
         ch.BAND_FORM = a.band_form
     cu = [int(x) for x in a.cu.split(',')] if a.cu else None
-    cu_t = torch.tensor(cu, device=a.device) if cu else None
+    cu_t = case_cu_seqlens(a, a.device)
     inputs = make_inputs(a.rule, a.B, a.T, a.H, a.G, a.K, a.V, a.lam, True, a.device, cu_seqlens=cu_t,
                          window=a.window)
     runs = [a.dtype] + (['fp32-of-bf16'] if a.also_fp32 and a.dtype == 'bf16' else [])

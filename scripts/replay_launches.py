@@ -39,7 +39,7 @@ import fla_falcon  # noqa: E402,F401  (first: Triton's interpreter where there i
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from diag_rows import add_case_args  # noqa: E402
+from diag_rows import add_case_args, case_cu_seqlens as _cu, case_dtype as _dtype  # noqa: E402
 
 MODULES = ('fla_falcon.ops.falcon.chunk', 'fla_falcon.ops.falcon.chunk_col', 'fla_falcon.ops.falcon.chunk_win')
 
@@ -179,14 +179,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _short(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if v is not None and k not in ('num_ctas', 'ir_override')}
-
-
-def _cu(a, device):
-    return torch.tensor([int(x) for x in a.cu.split(',')], device=device) if a.cu else None
-
-
-def _dtype(a):
-    return torch.bfloat16 if a.dtype == 'bf16' else torch.float32
 
 
 def _rows_err(gpu: torch.Tensor, cpu: torch.Tensor, top: int):

@@ -1,7 +1,7 @@
 # -*- coding: utf-8 -*-
 """One chunk_falcon case, forward and backward, without the reference: a target for compute-sanitizer (bad memory
-accesses, reads of unwritten memory, races) or Nsight Compute. The inputs and the loss are tests/test_chunk.py's
-(make_inputs, run_both's upstream gradients), the case options scripts/diag_rows.py's.
+accesses, reads of unwritten memory, races) or Nsight Compute. The inputs are tests/test_chunk.py's make_inputs, the
+loss reaches every output (the outputs and the final state, as in run_both), the case options are diag_rows.py's.
 
     compute-sanitizer --tool memcheck python scripts/run_case.py --rule falcon3a --T 1000 --H 2 --K 128 --V 128 \\
         --window 3 --cu 0,100,611,1000 --band-form gather
@@ -23,7 +23,7 @@ import fla_falcon  # noqa: E402,F401  (first: Triton's interpreter where there i
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from diag_rows import add_case_args  # noqa: E402
+from diag_rows import add_case_args, case_cu_seqlens, case_dtype  # noqa: E402
 
 
 def run(a) -> dict:
@@ -33,8 +33,8 @@ def run(a) -> dict:
     from fla_falcon.ops import chunk_falcon
     from fla_falcon.ops.falcon.utils import FalconState
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    dtype = torch.bfloat16 if a.dtype == 'bf16' else torch.float32
-    cu = torch.tensor([int(x) for x in a.cu.split(',')], device=device) if a.cu else None
+    dtype = case_dtype(a)
+    cu = case_cu_seqlens(a, device)
     q, k, v, beta, lam, state = make_inputs(a.rule, a.B, a.T, a.H, a.G, a.K, a.V, a.lam, True, device,
                                             cu_seqlens=cu, window=a.window)
     xs = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in (q, k, v, beta, lam)]
