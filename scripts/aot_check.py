@@ -4,9 +4,10 @@
 Runs the real op wrappers on small CPU tensors with a stand-in Triton driver that reports the
 target (default sm_90a, an H100/H200) and turns every kernel launch into a compile-only
 ``warmup``; autotuned kernels compile every config. Each compiled kernel's register use and
-spills come from ``cuobjdump --dump-resource-usage`` on its cubin. It catches compiler crashes
-and register spills before any GPU time is spent; it cannot catch wrong results (miscompiles):
-those need the GPU tests.
+spills come from ``cuobjdump --dump-resource-usage`` on its cubin. It catches compiler crashes,
+register spills and shared-memory slots that an asynchronous wgmma still reads when the pipeliner's
+next copy lands in them (scripts/wgmma_hazards.py) before any GPU time is spent; it cannot catch
+other wrong results (miscompiles): those need the GPU tests.
 
 Use the Triton version of the GPU machine (Triton 3.6 on our H200):
 
@@ -34,6 +35,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver as _driver  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from wgmma_hazards import war_hazards  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 COMPILED: list[dict] = []
 # shared memory a block may use (opt-in maximum, bytes) per compute capability: a kernel needing more
@@ -105,6 +108,11 @@ def install(arch: int) -> None:
             # the older mma.sync (about half the throughput)
             ptx = kernel.asm.get('ptx', '')
             rec['mma'] = f"wgmma={ptx.count('wgmma.mma_async')} mma={ptx.count('mma.sync')}"
+            # an async wgmma's operand overwritten by the pipeliner's next copy (Triton 3.6: scripts/wgmma_hazards.py)
+            hazards = war_hazards(kernel.asm.get('ttgir', ''))
+            if hazards:
+                rec.update(ok=False, error=f"{len(hazards)} async-wgmma WAR hazard(s): {hazards[0][:200]}",
+                           hazards=hazards)
             limit = MAX_SHARED.get(arch)
             if limit is not None and rec['shared'] > limit:
                 rec.update(ok=False, error=f"OutOfResources at launch: shared memory {rec['shared']} > {limit}")

@@ -147,3 +147,47 @@ def test_run_case_runs_forward_and_backward(capsys):
     norms = run_case.run(p.parse_args(args))
     assert set(norms) == {'q', 'k', 'v', 'beta', 'lam', 'S0', 'last_k', 'tail_x', 'tail_v'}
     assert all(v > 0 for v in norms.values()), norms
+
+
+# A pipelined loop as Triton 3.6 compiles it (trimmed TTGIR of falcon3a's _bwd_dqx before the fix): a 2-slot ring of
+# h tiles prefetched 2 iterations ahead (the 3-slot ring of do sets the distance), an asynchronous wgmma reading the
+# current slot through a transpose, and the copy of iteration i + 2 into that same slot before any wait
+_PIPELINED_LOOP = """
+    %b_h_532 = ttg.local_alloc : () -> !ttg.memdesc<2x128x32xbf16, #shared3, #smem, mutable>
+    %b_do_534 = ttg.local_alloc : () -> !ttg.memdesc<3x64x32xbf16, #shared3, #smem, mutable>
+    %r:3 = scf.for %i = %c0 to %c4 step %c1 iter_args(%arg30 = %cst, %arg44 = %c0, %s = %c0) -> (T, i32, i32) : i32 {
+      %b_h_1342 = ttg.async_wait %b_h_1298 {num = 12 : i32}
+      %b_h_1343 = ttg.memdesc_index %b_h_532[%arg44] : !ttg.memdesc<2x128x32xbf16> -> !ttg.memdesc<128x32xbf16>
+      %b_dq_1344 = ttg.memdesc_trans %b_h_1343 {order = array<i32: 1, 0>} : !ttg.memdesc<128x32xbf16> -> M
+      %b_do_1349 = ttg.memdesc_index %b_do_534[%s] : !ttg.memdesc<3x64x32xbf16> -> !ttg.memdesc<64x32xbf16>
+      %b_dq_1400 = ttng.warp_group_dot %b_do_1349, %b_dq_1344, %arg30 {isAsync = true} : M * M -> T
+      WAIT
+      %b_do_1442 = ttg.memdesc_index %b_do_534[%n] : !ttg.memdesc<3x64x32xbf16> -> !ttg.memdesc<64x32xbf16>
+      %b_do_1445 = ttg.async_copy_global_to_local %b_do_1441, %b_do_1442 mask %m other %cst_107 : P -> M
+      %b_h_1436 = ttg.async_copy_global_to_local %b_h_1433, %b_h_1343 mask %b_dsr_1435 other %cst_106 : P -> M
+      scf.yield %b_dq_1400, %arg44, %s : T, i32, i32
+    }
+    %b_dsr_734:1 = ttng.warp_group_dot_wait %r#0 {pendings = 0 : i32} : T
+"""
+
+
+def test_wgmma_hazards_finds_a_slot_overwritten_under_an_async_dot():
+    """scripts/wgmma_hazards.py (also run by scripts/aot_check.py on every compiled kernel): the copy into the slot
+    the pending wgmma reads is reported; a wait before it, or a ring one slot longer, clears it; the copy into the
+    3-slot ring of do (another slot) is never reported."""
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    from wgmma_hazards import war_hazards
+
+    found = war_hazards(_PIPELINED_LOOP.replace('WAIT', ''))
+    assert len(found) == 1 and 'into %b_h_532' in found[0] and '%b_dq_1400' in found[0], found
+    waited = "%w:1 = ttng.warp_group_dot_wait %b_dq_1400 {pendings = 0 : i32} : T"
+    assert war_hazards(_PIPELINED_LOOP.replace('WAIT', waited)) == []
+    longer = _PIPELINED_LOOP.replace('WAIT', '').replace('memdesc<2x128x32xbf16', 'memdesc<3x128x32xbf16')
+    assert war_hazards(longer) == []
+    # a wgmma left in flight at the end of an iteration meets the next iteration's copies
+    late = _PIPELINED_LOOP.replace('WAIT', '')
+    late = late.replace("%b_h_1433, %b_h_1343", "%b_h_1433, %b_h_other")   # no copy after the dot any more,
+    late = late.replace("      %b_h_1342 = ttg.async_wait",                 # but one at the top of the next iteration
+                        "      %b_h_9 = ttg.async_copy_global_to_local %p, %b_h_1343 mask %m : P -> M\n"
+                        "      %b_h_1342 = ttg.async_wait")
+    assert len(war_hazards(late)) == 1

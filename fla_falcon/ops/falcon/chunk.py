@@ -332,11 +332,12 @@ def _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H: 
 
 @triton.jit
 def _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV: tl.constexpr, V: tl.constexpr,
-                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """Values (fp32) of the pairs at positions o_p (p < 0: the carried tail)."""
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, CACHE: tl.constexpr):
+    """Values (fp32) of the pairs at positions o_p (p < 0: the carried tail). CACHE: v's load's cache modifier (a
+    second load of the same tile with another one is not merged with the first)."""
     m_v = o_v < V
     b_v = tl.load(v + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :],
-                  mask=(m_p & (o_p >= 0))[:, None] & m_v[None, :], other=0).to(tl.float32)
+                  mask=(m_p & (o_p >= 0))[:, None] & m_v[None, :], other=0, cache_modifier=CACHE).to(tl.float32)
     if USE_INITIAL_STATE:
         if WIN > 1:
             m_tl = m_p & (o_p < 0) & (o_p >= -_n_tail(count, i_n, o_p, WIN, SHIFT))
@@ -390,14 +391,14 @@ def _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H: tl.co
 
 @triton.jit
 def _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV: tl.constexpr, V: tl.constexpr,
-                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, CACHE: tl.constexpr):
     """The values (fp32) of the GLA rows o_t: v_t, or for falcon3a v_{t-W+1} (see _load_gla_x)."""
     if WIN > 0:
         b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - (WIN - 1), m_t, o_v, HV, V, WIN, SHIFT,
-                          USE_INITIAL_STATE)
+                          USE_INITIAL_STATE, CACHE)
     else:
         b_v = tl.load(v + ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :],
-                      mask=m_t[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
+                      mask=m_t[:, None] & (o_v < V)[None, :], other=0, cache_modifier=CACHE).to(tl.float32)
     return b_v
 
 
@@ -720,7 +721,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             else:
                 b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
                 b_u = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
-                                  USE_INITIAL_STATE) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
+                                  USE_INITIAL_STATE, '') * (b_eta * tl.exp(b_Gl - b_G))[:, None]
             b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u.to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         if WIN > 1:
@@ -730,7 +731,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             b_xp, valid_p = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H, K, WIN, SHIFT,
                                              USE_INITIAL_STATE)
             b_wp = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
-            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE,
+                               '')
             b_h += tl.dot(tl.trans(b_xp), (b_vp * b_wp[:, None]).to(k.dtype.element_ty))
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
@@ -779,15 +781,15 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
         o_p = E - (WIN - 1) + o_j
         m_p = o_j < WIN - 1
         b_ae = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_p + WIN - 1, WIN, False)
-        b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
         b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_v.to(b_q.dtype))
         b_xe, valid_e = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
                                     USE_INITIAL_STATE)
-        b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
         b_o += tl.dot((tl.dot(b_q, tl.trans(b_xe)) * b_ae).to(b_q.dtype), b_ve.to(b_q.dtype))
     else:
         b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
                * b_eta[:, None]).to(q.dtype.element_ty)
         b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_u)
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
@@ -977,23 +979,27 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
             b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
             b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
         else:
-            b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+            b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
             b_u = (b_v * b_eta[:, None]).to(b_q.dtype)
             b_deta += tl.sum(b_du * b_v, 1)
             b_dvs = b_du * b_eta[:, None]
             if WIN > 0:
-                # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too)
-                b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_v.to(b_q.dtype)))
+                # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too),
+                # from a load of v' of their own (see the <h, dh> loop below; '.cg' keeps it from being merged with
+                # b_v's)
+                b_vd = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
+                                   USE_INITIAL_STATE, '.cg')
+                b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_vd.to(b_q.dtype)))
                 if WIN > 1:
                     # the band's part, from _bwd_dv_local (or _win_bwd_band)
                     b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
                 if WIN > 1 and BAND == 0:
                     b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
-                                       USE_INITIAL_STATE)
+                                       USE_INITIAL_STATE, '')
                     b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
                     b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
                                     mask=m_r[:, None] & (o_v < V)[None, :], other=0)
-                    b_dsr += tl.dot(b_v.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
+                    b_dsr += tl.dot(b_vd.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
             else:
                 b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
             tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
@@ -1001,7 +1007,16 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         if DELTA:
             b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
         b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
+    # asynchronous tl.dot and register code one shared-memory slot too few: the copy of a later value block then lands
+    # in the slot the dot above still reads (dq, dx wrong now and then on the H200; scripts/wgmma_hazards.py finds it
+    # in the compiled kernel). So h and dh above, and v' in falcon3a's scores, feed tensor-core products only
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_hdh += tl.sum(tl.load(h + p_kv, mask=m_kv, other=0).to(tl.float32) *
+                        tl.load(dh + p_kv, mask=m_kv, other=0).to(tl.float32), 1)
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_dsw = b_ds
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
@@ -1648,7 +1663,8 @@ def _band_values(v, tail_v, do, count, b_do, b_vs, b_b, b_b2, b_c2, i_n, i_hv, b
     and returns them with the block's dv'_s = sum_d c2[s, d] do_r."""
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     for d in tl.static_range(WIN - 1):
-        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE,
+                           '')
         o_r = o_t - (WIN - 1) + d
         m_r = m_t & (o_r >= 0)
         b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
@@ -1717,7 +1733,7 @@ def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb,
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_vs = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_vs = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
         b_b, b_b2, b_dv = _band_values(v, tail_v, do, count, b_do, b_vs, b_b, b_b2, b_c2, i_n, i_hv, bos, o_t, m_t,
                                        o_v, o_d, HV, V, BT, BV, WIN, SHIFT, USE_INITIAL_STATE)
         tl.store(dvb + p_tv, b_dv, mask=m_tv)
@@ -1760,7 +1776,7 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
     b_dsz = tl.zeros([16, 16], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
         b_doz = tl.load(do + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :],
                         mask=m_z[:, None] & (o_v < V)[None, :], other=0)
         b_fvb = tl.dot(b_sz.to(b_doz.dtype), b_doz)
