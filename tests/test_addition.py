@@ -329,6 +329,17 @@ def test_chunk_bwd_dqkwg_triton_matches_torch(case, dtype):
         assert _rel_err(a.float(), b.float()) < tol, (name, _rel_err(a.float(), b.float()))
 
 
+def test_dqkwg_small_heads_autotune_with_4_warps_only():
+    """16-wide key or value blocks keep only the 4-warp configs (8 warps faulted on the H200 at K = V = 16 in fp32);
+    wider blocks keep every config."""
+    from evals.addition.dqkwg import CONFIGS as configs, _prune_small_heads
+    assert {c.num_warps for c in configs} == {4, 8}
+    for bk, bv in ((16, 16), (16, 64), (64, 16)):
+        kept = _prune_small_heads(configs, {}, BK=bk, BV=bv)
+        assert kept and all(c.num_warps == 4 for c in kept), (bk, bv)
+    assert _prune_small_heads(configs, {}, BK=64, BV=32) == configs
+
+
 def test_chunk_bwd_dqkwg_triton_refuses_partial_tiles():
     # K or V not a multiple of 16 (K = V = 8 faulted on the H200): a clear error, and the route's PyTorch stand-in
     from evals.addition.dqkwg import chunk_bwd_dqkwg_triton, supports
