@@ -11,8 +11,8 @@ and config, and only on the GPU (falcon3a's bf16 dq in `_bwd_dqx`, thirteenth to
 This reads a kernel's TTGIR (`kernel.asm['ttgir']`, or `*.ttgir` files in a Triton cache) and reports every async
 copy or local store into a buffer that an asynchronous `warp_group_dot` issued earlier reads and that no
 `warp_group_dot_wait` has retired. Loop bodies are scanned twice in a row, so a wgmma left in flight at the end of
-an iteration meets the next iteration's copies. A ring of S slots prefetched D iterations ahead (D: the longest
-ring's length - 1) is overwritten in the slot being read when S divides D; a longer ring is not reported.
+an iteration meets the next iteration's copies. A ring of S slots prefetched D iterations ahead (D: the copies
+into it before its loop) is overwritten in the slot being read when S divides D; other rings are not reported.
 
     python scripts/wgmma_hazards.py ~/.triton/cache            # every *.ttgir under it
 """
@@ -62,14 +62,27 @@ def war_hazards(ttgir: str) -> list[str]:
         return name
 
     lines = ttgir.splitlines()
+    depth, in_loop = 0, []   # scf.for nesting of each line
     for line in lines:
+        opens = 'scf.for' in line and line.rstrip().endswith('{')
+        in_loop.append(depth > 0)
+        if depth or opens:
+            depth += line.count('{') - line.count('}')
+    prologue: dict[str, int] = {}   # copies into each ring before its loop: how far ahead the loop prefetches
+    for line, looped in zip(lines, in_loop):
         m = _DEF.match(line)
-        if m and m.group(2) == 'ttg.local_alloc':
+        if not m:
+            continue
+        names = _NAME.findall(m.group(3).split(' : ')[0])
+        if m.group(2) == 'ttg.local_alloc':
             n = re.search(r'\(\)\s*->\s*!ttg\.memdesc<(\d+)x[^>]*mutable', m.group(3))
             if n:
                 ring[m.group(1)] = int(n.group(1))
-    # the prefetch distance: the longest ring holds one slot more (its tiles feed only asynchronous wgmma)
-    dist = max(ring.values(), default=1) - 1
+        elif m.group(2) == 'ttg.memdesc_index' and names and not looped:
+            root[m.group(1)] = names[0].split('#')[0]
+        elif m.group(2) == 'ttg.async_copy_global_to_local' and len(names) >= 2 and not looped:
+            buf = res(names[1])
+            prologue[buf] = prologue.get(buf, 0) + 1
 
     pending: list[tuple[str, set[str], str]] = []
     found: list[str] = []
@@ -89,6 +102,7 @@ def war_hazards(ttgir: str) -> list[str]:
         elif op in ('ttg.async_copy_global_to_local', 'ttg.local_store') and len(names) >= 2:
             dst = res(names[1])
             # a copy for iteration i + dist lands in the slot iteration i reads when the ring's length divides dist
+            dist = prologue.get(dst, 1)
             if dst in ring and dist % ring[dst]:
                 continue
             for dot, srcs, where in pending:

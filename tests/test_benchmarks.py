@@ -150,11 +150,19 @@ def test_run_case_runs_forward_and_backward(capsys):
 
 
 # A pipelined loop as Triton 3.6 compiles it (trimmed TTGIR of falcon3a's _bwd_dqx before the fix): a 2-slot ring of
-# h tiles prefetched 2 iterations ahead (the 3-slot ring of do sets the distance), an asynchronous wgmma reading the
-# current slot through a transpose, and the copy of iteration i + 2 into that same slot before any wait
+# h tiles prefetched 2 iterations ahead (two copies before the loop), an asynchronous wgmma reading the current slot
+# through a transpose, and the copy of iteration i + 2 into that same slot before any wait
 _PIPELINED_LOOP = """
     %b_h_532 = ttg.local_alloc : () -> !ttg.memdesc<2x128x32xbf16, #shared3, #smem, mutable>
     %b_do_534 = ttg.local_alloc : () -> !ttg.memdesc<3x64x32xbf16, #shared3, #smem, mutable>
+    %b_h_0 = ttg.memdesc_index %b_h_532[%c0_i32] : !ttg.memdesc<2x128x32xbf16> -> !ttg.memdesc<128x32xbf16>
+    %b_h_1 = ttg.async_copy_global_to_local %p0, %b_h_0 mask %m0 : P -> M
+    %b_h_2 = ttg.memdesc_index %b_h_532[%c1_i32] : !ttg.memdesc<2x128x32xbf16> -> !ttg.memdesc<128x32xbf16>
+    %b_h_3 = ttg.async_copy_global_to_local %p1, %b_h_2 mask %m0 : P -> M
+    %b_do_0 = ttg.memdesc_index %b_do_534[%c0_i32] : !ttg.memdesc<3x64x32xbf16> -> !ttg.memdesc<64x32xbf16>
+    %b_do_1 = ttg.async_copy_global_to_local %p2, %b_do_0 mask %m0 : P -> M
+    %b_do_2 = ttg.memdesc_index %b_do_534[%c1_i32] : !ttg.memdesc<3x64x32xbf16> -> !ttg.memdesc<64x32xbf16>
+    %b_do_3 = ttg.async_copy_global_to_local %p3, %b_do_2 mask %m0 : P -> M
     %r:3 = scf.for %i = %c0 to %c4 step %c1 iter_args(%arg30 = %cst, %arg44 = %c0, %s = %c0) -> (T, i32, i32) : i32 {
       %b_h_1342 = ttg.async_wait %b_h_1298 {num = 12 : i32}
       %b_h_1343 = ttg.memdesc_index %b_h_532[%arg44] : !ttg.memdesc<2x128x32xbf16> -> !ttg.memdesc<128x32xbf16>

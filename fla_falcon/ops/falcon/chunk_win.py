@@ -429,7 +429,11 @@ def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw,
     b_ds = tl.zeros([BSO, 64], dtype=tl.float32)
     b_dst = tl.zeros([64, BSO], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
+    # not pipelined (num_stages=1): h, dh, do and u each feed both an asynchronous wgmma (the 64-row products) and
+    # register code (the 16-row steps' mma.sync operands, <h, dh>), and Triton 3.6's pipeliner then gives their tiles
+    # one shared-memory slot too few: the next block's copy overwrote a slot a wgmma still read
+    # (scripts/wgmma_hazards.py; see _bwd_dqx in chunk.py). The loop has 2 iterations at V = 128
+    for i_v in tl.range(0, tl.cdiv(V, BV), num_stages=1):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
