@@ -19,6 +19,7 @@ into it before its loop) is overwritten in the slot being read when S divides D;
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -115,8 +116,11 @@ def war_hazards(ttgir: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:])] or [Path.home() / '.triton' / 'cache']
-    files = [f for p in paths for f in (sorted(p.rglob('*.ttgir')) if p.is_dir() else [p])]
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('paths', nargs='*', type=Path, default=[Path.home() / '.triton' / 'cache'],
+                   help='*.ttgir files, or folders searched for them (default: ~/.triton/cache)')
+    args = p.parse_args(argv)
+    files = [f for path in args.paths for f in (sorted(path.rglob('*.ttgir')) if path.is_dir() else [path])]
     bad = 0
     for f in files:
         hz = war_hazards(f.read_text())
