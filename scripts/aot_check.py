@@ -140,10 +140,37 @@ def install(arch: int) -> None:
     Autotuner.run = autotune_run
 
 
+def _baselines(B, T, H, K, V, dt) -> None:
+    """The kernels the addition harness's GatedDeltaNet and Mamba-2 train on (route 'fla+dqkwg'): fla's gated-delta
+    and simple-GLA chunk ops forward and backward (fla's own chunk_bwd_dqkwg among them, which the route replaces),
+    and the route's stand-in for it. fla built its config lists at import with the device seen as a CPU."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    from evals.addition.dqkwg import chunk_bwd_dqkwg_triton
+    print(f"baselines (K={K}, V={V}, {dt})", flush=True)
+    q, k = (torch.randn(B, T, H, K, dtype=dt, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, dtype=dt, requires_grad=True)
+    g = torch.randn(B, T, H, requires_grad=True)
+    beta = torch.rand(B, T, H, dtype=dt, requires_grad=True)
+    h, dh = (torch.randn(B, -(-T // 64), H, K, V, dtype=dt) for _ in range(2))   # chunk states, 64-row chunks
+    for run in (lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0], lambda: chunk_simple_gla(q, k, v, g)[0],
+                lambda: chunk_bwd_dqkwg_triton(q, k, v, torch.randn_like(v), h, dh, g=g)):
+        try:
+            out = run()
+            if isinstance(out, torch.Tensor):
+                out.sum().backward()
+        except Exception as e:   # noqa: BLE001  (the wrappers' own tensor code may trip on garbage)
+            print(f"  (wrapper stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--rules', nargs='+', default=None, help='rules (default: all)')
-    p.add_argument('--ops', nargs='+', default=['chunk', 'fused_recurrent'], choices=['chunk', 'fused_recurrent'])
+    p.add_argument('--ops', nargs='+', default=['chunk', 'fused_recurrent'],
+                   choices=['chunk', 'fused_recurrent', 'baselines'],
+                   help="'baselines': fla's gated-delta and simple-GLA chunk kernels (forward and backward) and the "
+                        "addition harness's stand-in for fla's chunk_bwd_dqkwg, at --dims and --dtype")
     p.add_argument('--arch', type=int, default=90, help='compute capability x10 (90: H100/H200)')
     p.add_argument('--dims', default='128,128', help='K,V')
     p.add_argument('--window', type=int, default=4)
@@ -162,6 +189,9 @@ def main(argv=None) -> int:
     if args.band_form:
         import fla_falcon.ops.falcon.chunk as ch
         ch.BAND_FORM = args.band_form
+    if 'baselines' in args.ops:   # before the stand-in driver: fla asks torch.cuda for the device's name on import
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import fla.ops.simple_gla  # noqa: F401
     install(args.arch)
 
     print(f"Triton {triton.__version__}, target sm_{args.arch}")
@@ -171,7 +201,7 @@ def main(argv=None) -> int:
     for rule in args.rules or RULES:
         _, per_column, windowed = rule_info(rule)
         W = args.window if windowed else 1
-        for op_name in args.ops:
+        for op_name in (o for o in args.ops if o != 'baselines'):
             op = (functools.partial(chunk_falcon, chunk_size=args.chunk_size) if op_name == 'chunk'
                   else fused_recurrent_falcon)
             forward_only = rule in getattr(chunk_falcon, 'forward_only_rules', ())
@@ -208,6 +238,8 @@ def main(argv=None) -> int:
                 o.sum().backward()
             except Exception as e:   # noqa: BLE001  (the wrappers' own tensor code may trip on garbage)
                 print(f"  (wrapper stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    if 'baselines' in args.ops:
+        _baselines(B, T, H, K, V, dt)
     bad = [r for r in COMPILED if not r['ok']]
     spills = [r for r in COMPILED if r['ok'] and r.get('stack')]
     print(f"\n{len(COMPILED)} kernel configs compiled in {sum(r.get('secs', 0) for r in COMPILED):.0f} s (single "
