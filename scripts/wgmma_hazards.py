@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     p.add_argument('paths', nargs='*', type=Path, default=[Path.home() / '.triton' / 'cache'],
                    help='*.ttgir files, or folders searched for them (default: ~/.triton/cache)')
     args = p.parse_args(argv)
-    files = [f for path in args.paths for f in (sorted(path.rglob('*.ttgir')) if path.is_dir() else [path])]
+    files = [f for path in args.paths for f in (sorted(path.rglob('*.ttgir')) if path.is_dir() else
+                                                 [path] if path.exists() else [])]
     bad = 0
     for f in files:
         hz = war_hazards(f.read_text())
