@@ -66,7 +66,6 @@ def add_case_args(p: argparse.ArgumentParser) -> None:
                    help="falcon3a's band in the backward (chunk.BAND_FORM; default: the package's)")
 
 
-
 def case_cu_seqlens(a, device):
     """--cu as a tensor on `device` (None without it)."""
     return torch.tensor([int(x) for x in a.cu.split(',')], device=device) if a.cu else None
@@ -74,6 +73,7 @@ def case_cu_seqlens(a, device):
 
 def case_dtype(a):
     return torch.bfloat16 if a.dtype == 'bf16' else torch.float32
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
@@ -88,8 +88,8 @@ def main(argv=None):
     if a.band_form:
         import fla_falcon.ops.falcon.chunk as ch
         ch.BAND_FORM = a.band_form
-    cu = [int(x) for x in a.cu.split(',')] if a.cu else None
     cu_t = case_cu_seqlens(a, a.device)
+    cu = cu_t.tolist() if cu_t is not None else None
     inputs = make_inputs(a.rule, a.B, a.T, a.H, a.G, a.K, a.V, a.lam, True, a.device, cu_seqlens=cu_t,
                          window=a.window)
     runs = [a.dtype] + (['fp32-of-bf16'] if a.also_fp32 and a.dtype == 'bf16' else [])

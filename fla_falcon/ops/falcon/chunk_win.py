@@ -402,7 +402,8 @@ def _bwd_dhu3(q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, c
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+# one config: its only loop is not pipelined (see below), so CONFIGS_8W's 2 and 3 stages compiled the same kernel twice
+@triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=2)], key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
               cu_seqlens, chunk_indices, chunk_offsets, T,
