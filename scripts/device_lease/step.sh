@@ -22,10 +22,14 @@ for x in scripts/device_lease/extra*.sh; do
     [ -f $L/${n}_started ] && continue
     touch $L/${n}_started
     rm -rf /tmp/b_$n && cp -r "$PWD" /tmp/b_$n
-    (cd /tmp/b_$n && setsid bash "$x" > $L/$n.log 2>&1 < /dev/null &)
+    # (the wheels chain.sh uses, and this copy of the repo, on the path)
+    (cd /tmp/b_$n && PYTHONPATH=/tmp/site:/tmp/b_$n PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 \
+        setsid bash -c "bash $x; touch $L/${n}_done" > $L/$n.log 2>&1 < /dev/null &)
 done
+# an extra script still running (started, not done) keeps the call waiting after the chain's end
+extras_running() { for f in $L/extra*_started; do [ -f "$f" ] && [ ! -f "${f%_started}_done" ] && return 0; done; return 1; }
 end=$((SECONDS + S))
-while [ $SECONDS -lt $end ] && ! grep -qE "^[0-9:]+ done$" <(tail -n 1 $L/stage 2>/dev/null); do
+while [ $SECONDS -lt $end ] && { ! grep -qE "^[0-9:]+ done$" <(tail -n 1 $L/stage 2>/dev/null) || extras_running; }; do
     sleep 60
     echo "--- $(date +%T) $(ls $L/paper/runs 2>/dev/null | grep -vc spec) runs done;" \
          "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader); $(tail -n 1 $L/stage 2>/dev/null)"
