@@ -332,12 +332,11 @@ def _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H: 
 
 @triton.jit
 def _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV: tl.constexpr, V: tl.constexpr,
-                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, CACHE: tl.constexpr):
-    """Values (fp32) of the pairs at positions o_p (p < 0: the carried tail). CACHE: v's load's cache modifier (a
-    second load of the same tile with another one is not merged with the first)."""
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Values (fp32) of the pairs at positions o_p (p < 0: the carried tail)."""
     m_v = o_v < V
     b_v = tl.load(v + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :],
-                  mask=(m_p & (o_p >= 0))[:, None] & m_v[None, :], other=0, cache_modifier=CACHE).to(tl.float32)
+                  mask=(m_p & (o_p >= 0))[:, None] & m_v[None, :], other=0).to(tl.float32)
     if USE_INITIAL_STATE:
         if WIN > 1:
             m_tl = m_p & (o_p < 0) & (o_p >= -_n_tail(count, i_n, o_p, WIN, SHIFT))
@@ -391,14 +390,14 @@ def _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H: tl.co
 
 @triton.jit
 def _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV: tl.constexpr, V: tl.constexpr,
-                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, CACHE: tl.constexpr):
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """The values (fp32) of the GLA rows o_t: v_t, or for falcon3a v_{t-W+1} (see _load_gla_x)."""
     if WIN > 0:
         b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - (WIN - 1), m_t, o_v, HV, V, WIN, SHIFT,
-                          USE_INITIAL_STATE, CACHE)
+                          USE_INITIAL_STATE)
     else:
         b_v = tl.load(v + ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :],
-                      mask=m_t[:, None] & (o_v < V)[None, :], other=0, cache_modifier=CACHE).to(tl.float32)
+                      mask=m_t[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
     return b_v
 
 
@@ -721,7 +720,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             else:
                 b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
                 b_u = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
-                                  USE_INITIAL_STATE, '') * (b_eta * tl.exp(b_Gl - b_G))[:, None]
+                                  USE_INITIAL_STATE) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
             b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u.to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         if WIN > 1:
@@ -731,8 +730,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             b_xp, valid_p = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, o_k, H, K, WIN, SHIFT,
                                              USE_INITIAL_STATE)
             b_wp = tl.load(wm + ((bos + T - 1) * HV + i_hv) * 8 + (T - 1 - o_p), mask=m_p, other=0)
-            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE,
-                               '')
+            b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_h += tl.dot(tl.trans(b_xp), (b_vp * b_wp[:, None]).to(k.dtype.element_ty))
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
@@ -781,15 +779,15 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
         o_p = E - (WIN - 1) + o_j
         m_p = o_j < WIN - 1
         b_ae = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_p + WIN - 1, WIN, False)
-        b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_v.to(b_q.dtype))
         b_xe, valid_e = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
                                     USE_INITIAL_STATE)
-        b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_o += tl.dot((tl.dot(b_q, tl.trans(b_xe)) * b_ae).to(b_q.dtype), b_ve.to(b_q.dtype))
     else:
         b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_u = (_load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
                * b_eta[:, None]).to(q.dtype.element_ty)
         b_o += tl.dot((b_s * b_a).to(b_q.dtype), b_u)
     tl.store(o + p_tv, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
@@ -908,6 +906,28 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
+@triton.jit
+def _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t, m_t, o_v,
+                    p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                    USE_INITIAL_STATE: tl.constexpr):
+    """_bwd_dqx's state side for one value block (falcon1a, falcon3a): dU gets its state path (falcon1 added it in
+    _bwd_dhu), dv = eta dU (falcon3a: + the band's part that _bwd_dv_local or _win_bwd_band left in dv) is stored;
+    returns the accumulated u dh^T (the state's share of dx) and deta = rowsum(dU * v). dh feeds tensor-core
+    products only (see the <h, dh> loop of _bwd_dqx)."""
+    dt = b_x.dtype
+    b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+    b_du = tl.load(du + p_tv, mask=m_tv, other=0)
+    b_du += tl.dot(b_x, b_dh.to(dt)) * tl.exp(b_Gl - b_G)[:, None]
+    b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+    b_deta += tl.sum(b_du * b_v, 1)
+    b_dvs = b_du * b_eta[:, None]
+    if WIN > 1:
+        b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
+    tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
+    b_dxs += tl.dot((b_v * b_eta[:, None]).to(dt), tl.trans(b_dh.to(dt)))
+    return b_dxs, b_deta
+
+
 # restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local (or _win_bwd_band) left in dv
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
                                           'IS_VARLEN'],
@@ -962,6 +982,10 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
         b_dse = tl.zeros([BT, 16], dtype=tl.float32)     # do_t.v_e
         b_dsr = tl.zeros([BT, 16], dtype=tl.float32)     # v'_s.do_r
+    # falcon3a (SPLIT) runs the value blocks twice: the output side (dq and the scores) first, finished and stored
+    # before the state side (du, dv, dx) begins, so that the two [BT, BK] fp32 accumulators are not live together
+    # (one pass held 255 registers per thread and spilled 8-56 B at K = V = 128 bf16; aot_check, sm_90)
+    SPLIT: tl.constexpr = WIN > 0
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -969,54 +993,33 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_h = tl.load(h + p_kv, mask=m_kv, other=0)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-        b_du = tl.load(du + p_tv, mask=m_tv, other=0)
-        if not DELTA:   # the state path of dU (falcon1 added it in _bwd_dhu)
-            b_du += tl.dot(b_x, b_dh.to(b_q.dtype)) * tl.exp(b_Gl - b_G)[:, None]
         if DELTA:
+            b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+            b_du = tl.load(du + p_tv, mask=m_tv, other=0)
             b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype)
             b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
             b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
-        else:
-            b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
-            b_u = (b_v * b_eta[:, None]).to(b_q.dtype)
-            b_deta += tl.sum(b_du * b_v, 1)
-            b_dvs = b_du * b_eta[:, None]
-            if WIN > 0:
-                # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too),
-                # from a load of v' of their own (see the <h, dh> loop below; '.cg' keeps it from being merged with
-                # b_v's)
-                b_vd = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
-                                   USE_INITIAL_STATE, '.cg')
-                b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_vd.to(b_q.dtype)))
-                if WIN > 1:
-                    # the band's part, from _bwd_dv_local (or _win_bwd_band)
-                    b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
-                if WIN > 1 and BAND == 0:
-                    b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
-                                       USE_INITIAL_STATE, '')
-                    b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
-                    b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
-                                    mask=m_r[:, None] & (o_v < V)[None, :], other=0)
-                    b_dsr += tl.dot(b_vd.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
-            else:
-                b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
-            tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
-        b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
-        if DELTA:
             b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
-        b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
-    # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
-    # asynchronous tl.dot and register code one shared-memory slot too few: the copy of a later value block then lands
-    # in the slot the dot above still reads (dq, dx wrong now and then on the H200; scripts/wgmma_hazards.py finds it
-    # in the compiled kernel). So h and dh above, and v' in falcon3a's scores, feed tensor-core products only
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_hdh += tl.sum(tl.load(h + p_kv, mask=m_kv, other=0).to(tl.float32) *
-                        tl.load(dh + p_kv, mask=m_kv, other=0).to(tl.float32), 1)
+            b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
+        elif WIN > 0:
+            # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too)
+            b_vd = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_vd.to(b_q.dtype)))
+            if WIN > 1 and BAND == 0:
+                b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
+                                   USE_INITIAL_STATE)
+                b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
+                b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
+                                mask=m_r[:, None] & (o_v < V)[None, :], other=0)
+                b_dsr += tl.dot(b_vd.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
+        else:
+            b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans((b_v * b_eta[:, None]).to(b_q.dtype)))
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n,
+                                            i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN, SHIFT,
+                                            USE_INITIAL_STATE)
+        b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_dsw = b_ds
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
@@ -1061,16 +1064,37 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         b_dq += tl.load(dqb + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    o_s = tl.arange(0, BT)
     if DELTA:
         m_st = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]
         b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
     else:
-        # falcon1a: ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on Hopper)
-        # instead of a second [BT, BT] product accumulated in the value loop: with both, ptxas spilled ~260 B per
-        # thread at K = V = 128 (aot_check, sm_90)
-        o_s = tl.arange(0, BT)
+        # falcon1a, falcon3a: ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on
+        # Hopper) instead of a second [BT, BT] product accumulated in the value loop: with both, ptxas spilled ~260 B
+        # per thread at K = V = 128 (aot_check, sm_90)
         tl.store(ds_buf + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_ds, mask=m_t[:, None])
         tl.debug_barrier()
+    if SPLIT:
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+            p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n,
+                                            i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN, SHIFT,
+                                            USE_INITIAL_STATE)
+    # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
+    # asynchronous tl.dot and register code one shared-memory slot too few: the copy of a later value block then lands
+    # in the slot the dot above still reads (dq, dx wrong now and then on the H200; scripts/wgmma_hazards.py finds it
+    # in the compiled kernel). So h and dh above feed tensor-core products only
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_hdh += tl.sum(tl.load(h + p_kv, mask=m_kv, other=0).to(tl.float32) *
+                        tl.load(dh + p_kv, mask=m_kv, other=0).to(tl.float32), 1)
+    if not DELTA:
         b_dst = tl.load(ds_buf + ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None], mask=m_t[None, :], other=0)
     b_xf = b_x.to(tl.float32)
     b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
@@ -1663,8 +1687,7 @@ def _band_values(v, tail_v, do, count, b_do, b_vs, b_b, b_b2, b_c2, i_n, i_hv, b
     and returns them with the block's dv'_s = sum_d c2[s, d] do_r."""
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     for d in tl.static_range(WIN - 1):
-        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE,
-                           '')
+        b_vp = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_t - d, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         o_r = o_t - (WIN - 1) + d
         m_r = m_t & (o_r >= 0)
         b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
@@ -1733,7 +1756,7 @@ def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb,
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_vs = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_vs = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_b, b_b2, b_dv = _band_values(v, tail_v, do, count, b_do, b_vs, b_b, b_b2, b_c2, i_n, i_hv, bos, o_t, m_t,
                                        o_v, o_d, HV, V, BT, BV, WIN, SHIFT, USE_INITIAL_STATE)
         tl.store(dvb + p_tv, b_dv, mask=m_tv)
@@ -1776,7 +1799,7 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
     b_dsz = tl.zeros([16, 16], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_v = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_doz = tl.load(do + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :],
                         mask=m_z[:, None] & (o_v < V)[None, :], other=0)
         b_fvb = tl.dot(b_sz.to(b_doz.dtype), b_doz)

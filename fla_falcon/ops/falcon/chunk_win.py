@@ -166,7 +166,7 @@ def _wy_wu3(k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, chu
     b_cv = tl.where(valid, b_c, 0.)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        b_y = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_y = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         b_u = tl.dot(b_A, (b_y * b_cv[:, None]).to(dt))
         tl.store(U + ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :], b_u.to(U.dtype.element_ty),
                  mask=(o_v < V)[None, :])
@@ -503,7 +503,7 @@ def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, 
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        b_y = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE, '')
+        b_y = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_p, m_p, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
         p_rv = ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0).to(dt)
         b_dA += tl.dot(b_du, tl.trans((b_y * b_cv[:, None]).to(dt)))
