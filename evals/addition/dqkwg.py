@@ -90,8 +90,6 @@ def _dqkwg_kernel(q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_i
     for i_v in range(tl.cdiv(V, BV)):
         o_v, m_v, b_v, b_do = _vdo_block(v, do, bos, o_t, m_t, i_v, i_hv, HV, V, BV)
         b_h = _state_tile(h, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST)
-        b_dh = _state_tile(dh, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
         b_ds += tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
         b_dq += tl.dot(b_do, b_h.to(b_do.dtype), input_precision=PREC)
     b_k = tl.load(k + p_qk, mask=m_tk, other=0)
@@ -109,6 +107,14 @@ def _dqkwg_kernel(q, k, v, g, h, do, dh, dq, dk, dw, dv, dg, cu_seqlens, chunk_i
         b_dsT += tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
         b_dk += tl.dot(b_v, b_dh.to(b_v.dtype), input_precision=PREC)
     b_dk = b_dk * tl.where(m_t, tl.exp2(b_glast - b_g), 0)[:, None]
+    # <h, dh> from loads of their own: a tile that feeds both an asynchronous wgmma (do h) and register code gets one
+    # shared-memory slot too few from Triton 3.6's pipeliner on Hopper, and the next block's copy lands in the slot the
+    # wgmma still reads (scripts/wgmma_hazards.py; bf16 K = V = 128 had it, fifteenth lease's aot_check)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_hdh += tl.sum(_state_tile(h, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST).to(tl.float32) *
+                        _state_tile(dh, p_state, o_k, m_k, o_v, m_v, K, V, STATE_V_FIRST).to(tl.float32), 0)
     b_kf = b_k.to(tl.float32)
     b_dg_last = tl.sum(b_hdh, 0) * tl.exp2(b_glast) + tl.sum(tl.sum(b_dk * b_kf, 1), 0)
     m_At = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
