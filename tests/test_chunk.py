@@ -332,6 +332,15 @@ def test_falcon3a_wide_values(band_form, device):
     check(run_both('falcon3a', *inputs, torch.bfloat16, chunk_size=16, window=4), torch.bfloat16)
 
 
+def test_falcon3a_key_blocks(band_form, device):
+    # K = 100: _bwd_dqx splits the keys into blocks of 64 (the second one partial), whose shares of dG and of the
+    # window weights' gradients _win_bwd_gates sums; the terms that join once (dmt, from _bwd_dv_local's two value
+    # blocks at V = 80, and the final state's band) in block 0 only. Varlen, an initial state with its tail
+    cu = torch.tensor([0, 23, 70], device=device)
+    inputs = make_inputs('falcon3a', 1, 70, 1, 2, 100, 80, 'on', True, device, seed=5, cu_seqlens=cu, window=4)
+    check(run_both('falcon3a', *inputs, torch.float32, cu_seqlens=cu, chunk_size=16, window=4), torch.float32)
+
+
 @pytest.mark.parametrize('shift, window', [(True, 4), (False, 8)])
 def test_falcon3a_varlen(shift, window, band_form, device):
     # short sequences (1 token, empty) next to ones spanning chunks; full, fresh and partial tails
