@@ -11,6 +11,26 @@ DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 
 
+if INTERPRET:
+    from triton.runtime.autotuner import Autotuner
+
+    _autotuner_run = Autotuner.run
+
+    def _run_with_tensor_outputs(self, *args, **kwargs):
+        # the interpreter never benchmarks (one config), so an argument named in restore_value / reset_to_zero that
+        # is not a tensor passes here and crashes only on a GPU, where the timed runs clone or zero it (it happened:
+        # falcon3a's _bwd_dhu launched with du=None). Check every launch
+        nargs = dict(zip(self.arg_names, args), **kwargs)
+        for name in (*self.restore_value, *self.reset_to_zero):
+            if not isinstance(nargs.get(name), torch.Tensor):
+                raise TypeError(f"{self.fn.__name__}: argument {name!r} is in restore_value/reset_to_zero but is "
+                                f"{type(nargs.get(name)).__name__}, not a tensor (the autotuner's timed runs on a GPU "
+                                f"copy or zero it)")
+        return _autotuner_run(self, *args, **kwargs)
+
+    Autotuner.run = _run_with_tensor_outputs
+
+
 @pytest.fixture
 def device():
     return DEVICE
