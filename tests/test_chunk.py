@@ -333,9 +333,8 @@ def test_falcon3a_wide_values(band_form, device):
 
 
 def test_falcon3a_key_blocks(band_form, device):
-    # K = 100: _bwd_dqx splits the keys into blocks of 64 (the second one partial), whose shares of dG and of the
-    # window weights' gradients _win_bwd_gates sums; the terms that join once (dmt, from _bwd_dv_local's two value
-    # blocks at V = 80, and the final state's band) in block 0 only. Varlen, an initial state with its tail
+    # K = 100, V = 80: key columns masked past K in every kernel, value blocks of 64 and 32 with the last one partial
+    # (in _bwd_dqx's two passes too), varlen, an initial state with its tail, the final state's band
     cu = torch.tensor([0, 23, 70], device=device)
     inputs = make_inputs('falcon3a', 1, 70, 1, 2, 100, 80, 'on', True, device, seed=5, cu_seqlens=cu, window=4)
     check(run_both('falcon3a', *inputs, torch.float32, cu_seqlens=cu, chunk_size=16, window=4), torch.float32)

@@ -48,11 +48,9 @@ g_t)`` (``_win_weights`` stores Mb and mt; every exponent <= 0). ``_fwd_o`` puts
 [BT, 16] block), ``_fwd_h`` adds it to the final state. The segment's initial state is S'_{-1} (the old steps'
 weights are in it already).
 Backward: falcon1a's kernels for the GLA with the band in the same products (mt applied to the unweighted scores
-do_t.v'_s after the value loop, the band's weights on the diagonals above), in fla's order: ``_bwd_dhu`` first, then
-``_bwd_dv_local`` (all of dU, with the state path; dv' = mt dU + the band's value gradient of each delayed row, from
-this chunk's rows and the W - 1 before it, in fp32; dmt per value block) and ``_bwd_dqx`` split over key blocks (dq;
-dx' in fp32; dG of the GLA; dMb and dmt turned into per-row terms of the gates' gradients, yz, one share per key
-block). ``_win_bwd_final`` handles the
+do_t.v'_s after the value loop, the band's weights on the diagonals above): ``_bwd_dv_local`` (the band's value
+gradient of each delayed row, from this chunk's rows and the W - 1 before it) and ``_bwd_dqx`` (dq; dx' and dv' in
+fp32; dG of the GLA; dMb and dmt turned into per-row terms of the gates' gradients, yz). ``_win_bwd_final`` handles the
 sequence's last W - 1 pairs, which have no delayed row (their band, and the final state's band from dht),
 ``_win_bwd_gates`` gathers dc and dg (the gates' chain rule) and ``_win_bwd_pairs`` writes dk, dv of each pair (its
 delayed row's or the last pairs' gradients, the window energy; the carried tail's in the first chunk). The final
@@ -801,17 +799,15 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dv_local(q, k, v, last_k, count, tail_x, tail_v, G, eta, wm, dh, do, du, dv, dvb, dmt, scale,
+def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   SHIFT: tl.constexpr, WIN: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
                   BAND: tl.constexpr = 0):
-    """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO, stored as du.
-    falcon3a (WIN > 0) runs after _bwd_dhu and finishes its delayed rows' value gradient here instead: dU gets its
-    state path exp(G_C - G) X' dh, dv' = mt dU + the band's value gradient (BAND 0, 'fold': from the scores below;
-    BAND 1: _win_bwd_band's dvb) is stored in fp32, and this value block's share of dmt = rowsum(dU * v') into dmt
-    (_bwd_dqx sums the blocks), so that _bwd_dqx needs no dU and can split the keys."""
+    """dU from the outputs of the same chunk: scale (Q X^T * D)^T dO, computed as (X Q^T * D^T) dO (falcon3a: on its
+    delayed GLA rows, and with BAND 0 (BAND_FORM 'fold') the band's value gradient of those rows' pairs into dvb, see
+    below)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -832,37 +828,23 @@ def _bwd_dv_local(q, k, v, last_k, count, tail_x, tail_v, G, eta, wm, dh, do, du
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
     b_do = tl.load(do + p_tv, mask=m_tv, other=0)
     b_du = tl.dot(b_st.to(b_do.dtype), b_do)
-    if WIN == 0:
-        tl.store(du + p_tv, b_du, mask=m_tv)
-    else:
-        last = min(i_t * BT + BT, T) - 1
-        b_Gl = tl.load(G + (bos + last) * HV + i_hv)
-        b_dh = tl.load(dh + ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                       mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
-        b_du += tl.dot(b_x, b_dh.to(b_x.dtype)) * tl.exp(b_Gl - b_G)[:, None]
-        b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-        tl.store(dmt + ((bos + o_t) * HV + i_hv) * tl.num_programs(0) + i_v, tl.sum(b_du * b_v, 1), mask=m_t)
-        b_mt = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
-        b_dv = b_du * b_mt[:, None]
-        if WIN > 1 and BAND == 0:
-            # falcon3a's band, seen from the pairs: the pair of delayed row tau is in the band of the rows
-            # t = tau - W + 1 .. tau - 1 with weight Mb[t, d], d = t - tau + W - 1, and gets scale Mb[t, d]
-            # (q_t.x'_tau) do_t. Those rows are this chunk's (the scores X' Q^T above) or the W - 1 rows before it
-            # (a [BT, 16] block)
-            o_j = tl.arange(0, 16)
-            o_r = i_t * BT - 16 + o_j
-            m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
-            b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
-                           mask=m_r[:, None] & (o_k < K)[None, :], other=0)
-            b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
-                            mask=m_r[:, None] & (o_v < V)[None, :], other=0)
-            b_bw = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, True)
-            b_br = _band_w(wm, bos, i_hv, HV, o_r, m_r, o_t, WIN, True)
-            b_dv += tl.dot((b_sr * b_bw * scale).to(b_do.dtype), b_do)
-            b_dv += tl.dot((tl.dot(b_x, tl.trans(b_qr)) * b_br * scale).to(b_do.dtype), b_dor)
-        elif WIN > 1:
-            b_dv += tl.load(dvb + p_tv, mask=m_tv, other=0)
-        tl.store(dv + p_tv, b_dv, mask=m_tv)
+    tl.store(du + p_tv, b_du, mask=m_tv)
+    if WIN > 1 and BAND == 0:
+        # falcon3a's band, seen from the pairs: the pair of delayed row tau is in the band of the rows t = tau - W + 1
+        # .. tau - 1 with weight Mb[t, d], d = t - tau + W - 1, and gets scale Mb[t, d] (q_t.x'_tau) do_t. Those rows
+        # are this chunk's (the scores X' Q^T above) or the W - 1 rows before it (a [BT, 16] block)
+        o_j = tl.arange(0, 16)
+        o_r = i_t * BT - 16 + o_j
+        m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
+        b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
+                       mask=m_r[:, None] & (o_k < K)[None, :], other=0)
+        b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
+                        mask=m_r[:, None] & (o_v < V)[None, :], other=0)
+        b_bw = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, True)
+        b_br = _band_w(wm, bos, i_hv, HV, o_r, m_r, o_t, WIN, True)
+        b_dvb = tl.dot((b_sr * b_bw * scale).to(b_do.dtype), b_do)
+        b_dvb += tl.dot((tl.dot(b_x, tl.trans(b_qr)) * b_br * scale).to(b_do.dtype), b_dor)
+        tl.store(dvb + p_tv, b_dvb, mask=m_tv)
 
 
 @triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
@@ -924,37 +906,58 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
-                                          'IS_VARLEN'])
+@triton.jit
+def _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t, m_t, o_v,
+                    p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
+                    USE_INITIAL_STATE: tl.constexpr):
+    """_bwd_dqx's state side for one value block (falcon1a, falcon3a): dU gets its state path (falcon1 added it in
+    _bwd_dhu), dv = eta dU (falcon3a: + the band's part that _bwd_dv_local or _win_bwd_band left in dv) is stored;
+    returns the accumulated u dh^T (the state's share of dx) and deta = rowsum(dU * v). dh feeds tensor-core
+    products only (see the <h, dh> loop of _bwd_dqx)."""
+    dt = b_x.dtype
+    b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+    b_du = tl.load(du + p_tv, mask=m_tv, other=0)
+    b_du += tl.dot(b_x, b_dh.to(dt)) * tl.exp(b_Gl - b_G)[:, None]
+    b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+    b_deta += tl.sum(b_du * b_v, 1)
+    b_dvs = b_du * b_eta[:, None]
+    if WIN > 1:
+        b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
+    tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
+    b_dxs += tl.dot((b_v * b_eta[:, None]).to(dt), tl.trans(b_dh.to(dt)))
+    return b_dxs, b_deta
+
+
+# restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local (or _win_bwd_band) left in dv
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
+                                          'IS_VARLEN'],
+                 restore_value=['dv'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-             dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, dmt, scale, eps, eps_gamma,
+             dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
              LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-             HAS_FINAL: tl.constexpr = False, BAND: tl.constexpr = 0, NVL: tl.constexpr = 1):
+             HAS_FINAL: tl.constexpr = False, BAND: tl.constexpr = 0):
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
     the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
-    (see _fwd_o); its dU, dv' and dmt came from _bwd_dv_local, so its programs split the keys (grid axis 2, as fla's
-    chunk_bwd_dqkwg) and store dq, dx' (fp32) for their key block, and their shares of dG of the GLA and of the window
-    weights' gradients as per-row terms yz (see _win_bwd_gates, which sums the key blocks). The band (BAND_FORM):
-    BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx' and dMb from _win_bwd_band (dqb, dxb, dMb)."""
-    i_t, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NK = tl.num_programs(2)
+    (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dv),
+    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). The band (BAND_FORM):
+    BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band (dqb, dxb, dv,
+    dMb)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    m_t0 = m_t & (o_t * 0 + i_k == 0)   # the terms that join once: in key block 0
     last = min(i_t * BT + BT, T) - 1
-    o_k = i_k * BK + tl.arange(0, BK)
+    o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    dt = b_q.dtype
     b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
                              USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
@@ -973,12 +976,16 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         o_j = tl.arange(0, 16)
         o_e = last + 1 - (WIN - 1) + o_j
         m_e = o_j < WIN - 1
-        b_xe, valid_e = _load_win_x_cols(k, last_k, count, tail_x, i_n, i_h, bos, o_e, m_e, o_k, H, K, WIN, SHIFT,
-                                         USE_INITIAL_STATE)
+        b_xe, valid_e = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_e, m_e, H, K, BK, WIN, SHIFT,
+                                    USE_INITIAL_STATE)
         o_r = i_t * BT - 16 + o_j
         m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
         b_dse = tl.zeros([BT, 16], dtype=tl.float32)     # do_t.v_e
         b_dsr = tl.zeros([BT, 16], dtype=tl.float32)     # v'_s.do_r
+    # falcon3a (SPLIT) runs the value blocks twice: the output side (dq and the scores) first, finished and stored
+    # before the state side (du, dv, dx) begins, so that the two [BT, BK] fp32 accumulators are not live together
+    # (one pass held 255 registers per thread and spilled 8-56 B at K = V = 128 bf16; aot_check, sm_90)
+    SPLIT: tl.constexpr = WIN > 0
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -987,41 +994,33 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_h = tl.load(h + p_kv, mask=m_kv, other=0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
         if DELTA:
+            b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
             b_du = tl.load(du + p_tv, mask=m_tv, other=0)
-            b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(dt)
-            b_dw += tl.dot(b_du.to(dt), tl.trans(b_h.to(dt)))
-            b_ds += tl.dot(b_do.to(dt), tl.trans(b_u))
-            b_dst += tl.dot(b_u, tl.trans(b_do.to(dt)))
-            b_dxs += tl.dot(b_u, tl.trans(b_dh.to(dt)))
+            b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype)
+            b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
+            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
+            b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
+            b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
         elif WIN > 0:
-            # falcon3a: the unweighted scores do_t.v'_s in both orientations and v' dh^T (mt and the band's weights are
-            # applied after the loop)
-            b_vd = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
-                               USE_INITIAL_STATE).to(dt)
-            b_ds += tl.dot(b_do.to(dt), tl.trans(b_vd))
-            b_dst += tl.dot(b_vd, tl.trans(b_do.to(dt)))
-            b_dxs += tl.dot(b_vd, tl.trans(b_dh.to(dt)))
+            # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too)
+            b_vd = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_vd.to(b_q.dtype)))
             if WIN > 1 and BAND == 0:
                 b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
                                    USE_INITIAL_STATE)
-                b_dse += tl.dot(b_do.to(dt), tl.trans(b_ve.to(dt)))
+                b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
                 b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
                                 mask=m_r[:, None] & (o_v < V)[None, :], other=0)
-                b_dsr += tl.dot(b_vd, tl.trans(b_dor.to(dt)))
+                b_dsr += tl.dot(b_vd.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
         else:
-            # falcon1a: dU gets its state path here (falcon1 added it in _bwd_dhu), dv = eta dU is stored
             b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-            b_ds += tl.dot(b_do.to(dt), tl.trans((b_v * b_eta[:, None]).to(dt)))
-            b_du = tl.load(du + p_tv, mask=m_tv, other=0)
-            b_du += tl.dot(b_x, b_dh.to(dt)) * tl.exp(b_Gl - b_G)[:, None]
-            b_deta += tl.sum(b_du * b_v, 1)
-            tl.store(dv + p_tv, (b_du * b_eta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-            b_dxs += tl.dot((b_v * b_eta[:, None]).to(dt), tl.trans(b_dh.to(dt)))
-        b_dq += tl.dot(b_do.to(dt), tl.trans(b_h.to(dt)))
+            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans((b_v * b_eta[:, None]).to(b_q.dtype)))
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n,
+                                            i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN, SHIFT,
+                                            USE_INITIAL_STATE)
+        b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
-    m_st = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]
     b_dsw = b_ds
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
     if WIN > 0:
@@ -1031,15 +1030,15 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_xb = tl.zeros([BT], dtype=tl.float32)
     b_dM = tl.zeros([BT, 8], dtype=tl.float32)
     o_d = tl.arange(0, 8)
-    if WIN > 1 and BAND == 1:   # the band's dMb and the final state's (_win_bwd_final): once, in key block 0
+    if WIN > 1 and BAND == 1:
         b_dM = tl.load(dMb + ((bos + o_t) * HV + i_hv)[:, None] * 8 + o_d[None, :],
-                       mask=m_t0[:, None] & (o_d < WIN - 1)[None, :], other=0)
-        if HAS_FINAL:   # on the sequence's last step
-            b_fm = tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - o_d, mask=(o_d < WIN - 1) & (o_d * 0 + i_k == 0), other=0)
+                       mask=m_t[:, None] & (o_d < WIN - 1)[None, :], other=0)
+        if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step
+            b_fm = tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - o_d, mask=o_d < WIN - 1, other=0)
             b_dM += tl.where((o_t == T - 1)[:, None], b_fm[None, :], 0.)
     elif WIN > 1:
         # the band: scale Mb[t, d] on the same scores at s = t + W - 1 - d (see _fwd_o), so its dq and dx' ride on
-        # the GLA's two products below; dMb[t, d] = scale (q_t.x'_s)(do_t.v'_s) there (this key block's share)
+        # the GLA's two products below; dMb[t, d] = scale (q_t.x'_s)(do_t.v'_s) there
         b_sd = b_dsw * tl.dot(b_q, tl.trans(b_x)) * scale
         b_se = tl.dot(b_q, tl.trans(b_xe)) * b_dse * scale
         b_bw = _band_w(wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, False)
@@ -1048,18 +1047,17 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
             m_d = o_t[None, :] - o_t[:, None] == WIN - 1 - d
             m_de = o_t[:, None] - o_e[None, :] == d
             b_dMd = tl.sum(tl.where(m_d, b_sd, 0.), 1) + tl.sum(tl.where(m_de, b_se, 0.), 1)
-            if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step, in key block 0
-                b_dMd += tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - d + o_t * 0,
-                                 mask=m_t0 & (o_t == T - 1), other=0)
+            if HAS_FINAL:   # the final state's band (_win_bwd_final), on the sequence's last step
+                b_dMd += tl.load(fm + (i_n * HV + i_hv) * 16 + 15 - d + o_t * 0, mask=m_t & (o_t == T - 1), other=0)
             b_dM = tl.where(o_d[None, :] == d, b_dMd[:, None], b_dM)
         b_ds += b_dsw * b_bw * scale
         b_sd *= b_bw
         b_qb = tl.sum(b_sd, 1) + tl.sum(b_se * b_be, 1)
         b_xb = tl.sum(b_sd, 0)
     # dq first, stored before dx is formed: fewer [BT, BK] fp32 tiles live at once
-    b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(dt), b_x)
+    b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
     if WIN > 1 and BAND == 0:
-        b_dq += tl.dot((b_dse * b_be * scale).to(dt), b_xe)
+        b_dq += tl.dot((b_dse * b_be * scale).to(b_q.dtype), b_xe)
     # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_qb
     if WIN > 1 and BAND == 1:   # the band's dq, after the GLA's decay gradient
@@ -1067,19 +1065,25 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     o_s = tl.arange(0, BT)
-    if DELTA or WIN > 0:
-        b_dstw = b_dst
+    if DELTA:
+        m_st = (o_t[:, None] <= o_t[None, :]) & m_t[None, :]
         b_dst = tl.where(m_st, b_dst * tl.exp(tl.where(m_st, b_G[None, :] - b_G[:, None], 0.)), 0.) * scale
-        if WIN > 0:
-            b_dst *= b_eta[:, None]
-            if WIN > 1 and BAND == 0:
-                b_dst += b_dstw * _band_w(wm, bos, i_hv, HV, o_t, m_t, o_t, WIN, True) * scale
     else:
-        # falcon1a: ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on Hopper)
-        # instead of a second [BT, BT] product accumulated in the value loop: with both, ptxas spilled ~260 B per
-        # thread at K = V = 128 (aot_check, sm_90)
+        # falcon1a, falcon3a: ds^T through a scratch buffer (a transposed dot result fed into tl.dot miscompiles on
+        # Hopper) instead of a second [BT, BT] product accumulated in the value loop: with both, ptxas spilled ~260 B
+        # per thread at K = V = 128 (aot_check, sm_90)
         tl.store(ds_buf + ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :], b_ds, mask=m_t[:, None])
         tl.debug_barrier()
+    if SPLIT:
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+            p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n,
+                                            i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN, SHIFT,
+                                            USE_INITIAL_STATE)
     # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
     # asynchronous tl.dot and register code one shared-memory slot too few: the copy of a later value block then lands
     # in the slot the dot above still reads (dq, dx wrong now and then on the H200; scripts/wgmma_hazards.py finds it
@@ -1090,21 +1094,18 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         b_hdh += tl.sum(tl.load(h + p_kv, mask=m_kv, other=0).to(tl.float32) *
                         tl.load(dh + p_kv, mask=m_kv, other=0).to(tl.float32), 1)
-    if not DELTA and WIN == 0:
+    if not DELTA:
         b_dst = tl.load(ds_buf + ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None], mask=m_t[None, :], other=0)
     b_xf = b_x.to(tl.float32)
-    if WIN > 0:   # falcon3a's u' = mt v' (the loop formed v' dh^T)
-        b_dxs = b_dxs * (b_eta * tl.exp(b_Gl - b_G))[:, None]
-    else:
-        b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
+    b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
     b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
-    b_dx = b_dxs + tl.dot(b_dst.to(dt), b_q)
+    b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
     if WIN > 1 and BAND == 0:
         # the rows before the chunk: scale Mb[r, d] (q_r.x'_s)(do_r.v'_s) at s = r + W - 1 - d
         b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
                        mask=m_r[:, None] & (o_k < K)[None, :], other=0)
         b_dsr = b_dsr * _band_w(wm, bos, i_hv, HV, o_r, m_r, o_t, WIN, True) * scale
-        b_dx += tl.dot(b_dsr.to(dt), b_qr)
+        b_dx += tl.dot(b_dsr.to(b_q.dtype), b_qr)
         b_xb += tl.sum(b_dsr * tl.dot(b_x, tl.trans(b_qr)), 1)
     b_dG -= tl.sum(b_xf * b_dx, 1) - b_xb
     b_dG += tl.where(o_t == last, b_end, 0.)
@@ -1116,19 +1117,16 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         tl.store(dw + p_tk, -b_dw, mask=m_tk)
     elif WIN > 0:
         tl.store(dx + p_tk, b_dx, mask=m_tk)
-        tl.store(dG + ((bos + o_t) * HV + i_hv) * NK + i_k, b_dG, mask=m_t)
-        # dmt = rowsum(dU * v'), from _bwd_dv_local's value blocks, joins in key block 0
-        for j in tl.static_range(NVL):
-            b_deta += tl.load(dmt + ((bos + o_t) * HV + i_hv) * NVL + j, mask=m_t0, other=0)
+        tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
         # the window weights' gradients (dmt = deta, dMb) as per-row terms: with w[t, d] = dmt_t + sum_{d' >= d}
         # dMb[t, d'] (mt = wm[., W - 1], Mb[t, d] = wm[t, d] = sum_{j <= d} c_{t-j} e[t, j], e[t, j] = exp(g_{t-j+1} +
         # ... + g_t)): dc_{t-j} += w[t, j] e[t, j] =: y[t, j], and g_s (t - j < s <= t) gets z[t, j] = y[t, j] c_{t-j},
-        # so dg_{t-i} += Zs[t, i + 1] = sum_{j > i} z[t, j]. Stores this key block's y (yz[., 0:8]) and Zs (yz[., 8:16])
+        # so dg_{t-i} += Zs[t, i + 1] = sum_{j > i} z[t, j]. Stores y (yz[., 0:8]) and Zs (yz[., 8:16])
         b_wt = b_deta[:, None] + (tl.sum(b_dM, 1)[:, None] - tl.cumsum(b_dM, 1) + b_dM)
         b_c, b_e = _win_ce(c, gl, bos, i_hv, HV, o_t, m_t, o_d, BT, WIN)
         b_y = tl.where(o_d[None, :] < WIN, b_wt * b_e, 0.)
         b_z = b_y * b_c
-        p_yz = (((bos + o_t) * HV + i_hv) * NK + i_k)[:, None] * 16 + o_d[None, :]
+        p_yz = ((bos + o_t) * HV + i_hv)[:, None] * 16 + o_d[None, :]
         tl.store(yz + p_yz, b_y, mask=m_t[:, None])
         tl.store(yz + p_yz + 8, tl.sum(b_z, 1)[:, None] - tl.cumsum(b_z, 1) + b_z, mask=m_t[:, None])
     else:
@@ -1736,7 +1734,7 @@ def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """falcon3a's band in the backward in its own kernel (BAND_FORM 'gather', see _band_keys): dq (dqb), dx' (dxb),
-    dv' (dvb) and dMb per chunk, fp32, which _bwd_dv_local (dvb) and _bwd_dqx (the rest) add to the GLA's."""
+    dv' (dvb) and dMb per chunk, fp32, which _bwd_dqx adds to the GLA's."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1820,15 +1818,14 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)],
-                 key=['HV', 'BT', 'WIN', 'NK', 'IS_VARLEN'])
+                 key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    HV: tl.constexpr, BT: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
-                   LAM_COUPLED: tl.constexpr, IS_VARLEN: tl.constexpr, NK: tl.constexpr = 1):
+                   LAM_COUPLED: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Per step s: dc_s = sum_d y[s + d, d], the direct dg_s = sum_{i < W-1} Zs[s + i, i + 1] (see _bwd_dqx)
-    and dG of the GLA (its in-chunk reverse cumsum), through the gates (c = eta / B); wE = 2 dE / B for the keys.
-    dG and yz hold one share per key block of _bwd_dqx (NK), summed here."""
+    and dG of the GLA (its in-chunk reverse cumsum), through the gates (c = eta / B); wE = 2 dE / B for the keys."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -1838,19 +1835,15 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
     b_dgd = tl.zeros([BT], dtype=tl.float32)
     for d in tl.static_range(WIN):
         m_r = m_t & (o_t + d < T)
-        for i_k in tl.static_range(NK):
-            p_yz = (((bos + o_t + d) * HV + i_hv) * NK + i_k) * 16 + d
-            b_dc += tl.load(yz + p_yz, mask=m_r, other=0)
-            if d < WIN - 1:
-                b_dgd += tl.load(yz + p_yz + 9, mask=m_r, other=0)
+        b_dc += tl.load(yz + ((bos + o_t + d) * HV + i_hv) * 16 + d, mask=m_r, other=0)
+        if d < WIN - 1:
+            b_dgd += tl.load(yz + ((bos + o_t + d) * HV + i_hv) * 16 + 9 + d, mask=m_r, other=0)
     b_rB = tl.load(rBw + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_E = tl.load(Ew + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     valid = m_t & (b_rB > 0)
     b_lp, b_den, b_eta, b_a, clamped, b_g = _gates_e(b_E, beta, lam, bos, o_t, valid, i_hv, HV, eps, eps_gamma,
                                                      HAS_LAM, LAM_COUPLED)
-    b_dG = tl.zeros([BT], dtype=tl.float32)
-    for i_k in tl.static_range(NK):
-        b_dG += tl.load(dG + ((bos + o_t) * HV + i_hv) * NK + i_k, mask=m_t, other=0)
+    b_dG = tl.load(dG + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_dbeta, b_dlp, b_dden = _gates_bwd(b_dG, b_dgd, b_dc * b_rB, b_lp, b_den, b_eta, b_a, clamped, valid)
     _store_gates(b_dbeta, b_dlp, b_E, dbeta, dlam, bos, o_t, m_t, i_hv, HV, HAS_LAM, LAM_COUPLED)
     tl.store(wE + (bos + o_t) * HV + i_hv, 2 * b_dden * b_rB, mask=m_t)
@@ -2060,7 +2053,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
                               eps_gamma, lam_coupled, win, cu_seqlens, m, common)
     G, eta, A, W, vn, h = saved
-    du, dh, dh0 = _state_grads(q, k, last_k, count, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col)
+    du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
+                               per_col, 0)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
@@ -2087,7 +2081,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
-        dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
+        dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
         cu_seqlens, ci, co, T,
         DELTA=delta, WIN=0, **gates,
         **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
@@ -2099,12 +2093,13 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
 
 
-def _state_grads(q, k, last_k, count, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col):
-    """The backward's first two steps, shared by falcon1, falcon1a and falcon2a: dU from the outputs of the same
-    chunk, then the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0).
-    (falcon3a's order is the other way round, see _chunk_bwd_win.)"""
-    B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
+def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win,
+                 wm=None, dvb=None, band=0):
+    """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
+    the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0)."""
+    B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
+    f32 = dict(device=q.device, dtype=torch.float32)
     # dU in the inputs' dtype, as fla's chunk_bwd_dv_local: it is read by two or three kernels, so with bf16 inputs an
     # fp32 buffer doubled its memory traffic (it is formed and summed in fp32 inside each kernel)
     du = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
@@ -2113,67 +2108,51 @@ def _state_grads(q, k, last_k, count, G, W, h, do, dht, scale, cu_seqlens, m, co
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     else:
         _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, None, last_k, count, None, None, G, None, None, None, do, du, None, None, None, scale,
-            cu_seqlens, ci, co, T, WIN=0, **common)
-    dh, dh0 = _bwd_state(q, k, last_k, count, G, W, h, do, du, dht, scale, cu_seqlens, m, common, delta, per_col)
-    return du, dh, dh0
-
-
-def _bwd_state(q, k, last_k, count, G, W, h, do, du, dht, scale, cu_seqlens, m, common, delta, per_col):
-    """dh (the gradient of each chunk's start state) and dh0, from _bwd_dhu."""
-    K, V, BK, N, HV = (m[x] for x in ('K', 'V', 'BK', 'N', 'HV'))
+            q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
+            BAND=band, **common)
     dh = torch.empty_like(h)
-    dh0 = torch.empty(N, HV, K, V, device=q.device, dtype=torch.float32) if common['USE_INITIAL_STATE'] else None
+    dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
-    if du is None:   # falcon3a: no dU term; the autotuner's timed runs still copy the argument (restore_value)
-        du = torch.empty(0, device=q.device, dtype=q.dtype)
     _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, m['chunk_offsets'], T=m['T'],
+        q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
-    return dh, dh0
+    return du, dh, dh0
 
 
 # falcon3a's band in the backward: 'fold' adds it to the GLA's [BT, BT] score products in _bwd_dv_local and _bwd_dqx
 # (twelfth lease: those two took 921 + 226 us at (4, 4096, 16, 128, 128), against 591 + 99 before the band joined
-# them); 'gather' computes it row by row (_band_keys) in its own kernel, _win_bwd_band, whose fp32 results
-# _bwd_dv_local and _bwd_dqx read (fourteenth lease: 1771 us in all against fold's 1668). The same row-by-row products
-# inside _bwd_dqx spilled 496-664 B per thread there (aot_check sm_90, K = V = 128).
+# them); 'gather' computes it row by row (_band_keys) in its own kernel, _win_bwd_band, whose fp32 results _bwd_dqx
+# reads (not yet timed or run on a GPU). The same row-by-row products inside _bwd_dqx spilled 496-664 B per thread
+# there (aot_check sm_90, K = V = 128), against 32-104 B for 'fold' and none for 'gather'.
 BAND_FORMS = {'fold': 0, 'gather': 1}
 BAND_FORM = 'fold'
 
 
 def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
                    lam_coupled, win, cu, m, common):
-    """falcon3a's backward: falcon1a's kernels on the delayed GLA rows with the band added (_bwd_dhu, then
-    _bwd_dv_local: dU with its state path, dv' and dmt; _bwd_dqx, split over key blocks: dq, dx', dG and the window
-    weights' gradients), the last pairs' band and the final state's (_win_bwd_final), then the gates (_win_bwd_gates)
-    and the pairs (_win_bwd_pairs)."""
+    """falcon3a's backward: falcon1a's kernels on the delayed GLA rows with the band added (_bwd_dv_local: its value
+    gradient; _bwd_dqx: dq, dx', dv', dG and the window weights' gradients), the last pairs' band and the final
+    state's (_win_bwd_final), then the gates (_win_bwd_gates) and the pairs (_win_bwd_pairs)."""
     G, c, gl, Ew, rBw, wm, mt, h = saved
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
+    # dv' (rows of the delayed form, fp32): _bwd_dv_local (or _win_bwd_band) writes the band's part, _bwd_dqx adds
+    # the GLA's
+    dv32 = torch.empty(B, T, HV, V, **f32)
     if BAND_FORM not in BAND_FORMS:
         raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
     band = BAND_FORMS[BAND_FORM] if win > 1 else 0
-    dqb = dxb = dMb = dvb = None
+    dqb = dxb = dMb = None
     if band == 1:
         dqb, dxb = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
-        dMb, dvb = torch.empty(B, T, HV, 8, **f32), torch.empty(B, T, HV, V, **f32)
-        _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb, dMb, scale, cu, ci,
+        dMb = torch.empty(B, T, HV, 8, **f32)
+        _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dv32, dMb, scale, cu, ci,
                                     co, T, WIN=win, **dict(common, BV=min(BV, 32)))
-    # the state gradients first (falcon3a's has no dU term), so that _bwd_dv_local forms all of dU, and with it dv'
-    # (rows of the delayed form, fp32) and dmt = rowsum(dU * v') per value block: _bwd_dqx then needs neither and
-    # splits the keys instead, with [BT, 64] accumulators (one program over all 128 keys held 255 registers per thread
-    # and spilled at K = V = 128, aot_check sm_90)
-    dh, dh0 = _bwd_state(q, k, last_k, count, G, None, h, do, None, dht, scale, cu, m, common, False, False)
-    dv32 = torch.empty(B, T, HV, V, **f32)
-    NV = triton.cdiv(V, BV)
-    dmt = torch.empty(B, T, HV, NV, **f32)
-    _bwd_dv_local[(NV, NT, B * HV)](
-        q, k, v, last_k, count, tail_x, tail_v, G, mt, wm, dh, do, None, dv32, dvb, dmt, scale, cu, ci, co, T,
-        WIN=win, BAND=band, **common)
+    du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
+                               win, wm, dv32, band=band)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     has_final = dht is not None and win > 1
     fx = fv = fm = None
@@ -2184,20 +2163,18 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
     dx32 = torch.empty(B, T, HV, K, **f32)
-    BKd = min(BK, 64)
-    NK = triton.cdiv(K, BKd)
-    dG = torch.empty(B, T, HV, NK, **f32)
-    yz = torch.empty(B, T, HV, NK, 16, **f32)
-    _bwd_dqx[(NT, B * HV, NK)](
-        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, None, dq, dx32, dG, None, None,
-        None, None, None, None, None, c, gl, wm, fm, yz, dqb, dxb, dMb, dmt, scale, eps, eps_gamma, cu, ci, co, T,
-        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, NVL=NV, **gates,
-        **dict(common, BK=BKd, BV=min(BV, 32)))
+    dG = torch.empty(B, T, HV, **f32)
+    yz = torch.empty(B, T, HV, 16, **f32)
+    ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
+    _bwd_dqx[(NT, B * HV)](
+        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
+        None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
+        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates, **dict(common, BV=min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
     _win_bwd_gates[(NT, B * HV)](beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma, cu, ci, co, T, HV=HV,
-                                 BT=BT, WIN=win, NK=NK, IS_VARLEN=common['IS_VARLEN'], **gates)
+                                 BT=BT, WIN=win, IS_VARLEN=common['IS_VARLEN'], **gates)
     dk = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
     dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
