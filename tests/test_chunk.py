@@ -332,7 +332,7 @@ def test_falcon3a_wide_values(band_form, device):
     check(run_both('falcon3a', *inputs, torch.bfloat16, chunk_size=16, window=4), torch.bfloat16)
 
 
-def test_falcon3a_key_blocks(band_form, device):
+def test_falcon3a_odd_wide_dims(band_form, device):
     # K = 100, V = 80: key columns masked past K in every kernel, value blocks of 64 and 32 with the last one partial
     # (in _bwd_dqx's two passes too), varlen, an initial state with its tail, the final state's band
     cu = torch.tensor([0, 23, 70], device=device)
