@@ -2166,11 +2166,13 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     dG = torch.empty(B, T, HV, **f32)
     yz = torch.empty(B, T, HV, 16, **f32)
     ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
-    # the full value block (BV = 64 at V = 128): a config sweep on the H200 timed it 0.829 ms against 0.912 for BV = 32
+    # the full value block (BV = 64) up to K = 128: a config sweep on the H200 timed it 0.829 ms against 0.912 for
+    # BV = 32 at K = V = 128, but at K = 256 it needs 234 KB of shared memory (the H200 has 227 KB)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
         None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
-        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates, **common)
+        DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
+        **dict(common, BV=BV if BK <= 128 else min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
