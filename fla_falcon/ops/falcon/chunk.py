@@ -907,13 +907,13 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
 
 
 @triton.jit
-def _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t, m_t, o_v,
-                    p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-                    USE_INITIAL_STATE: tl.constexpr):
+def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t,
+                    m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr,
+                    SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """_bwd_dqx's state side for one value block (falcon1a, falcon3a): dU gets its state path (falcon1 added it in
     _bwd_dhu), dv = eta dU (falcon3a: + the band's part that _bwd_dv_local or _win_bwd_band left in dv) is stored;
     returns the accumulated u dh^T (the state's share of dx) and deta = rowsum(dU * v). dh feeds tensor-core
-    products only (see the <h, dh> loop of _bwd_dqx)."""
+    products only (see the <h, dh> loop of _bwd_dqx). The band's part is read from dvb, so dv is only written."""
     dt = b_x.dtype
     b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
     b_du = tl.load(du + p_tv, mask=m_tv, other=0)
@@ -922,18 +922,16 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, 
     b_deta += tl.sum(b_du * b_v, 1)
     b_dvs = b_du * b_eta[:, None]
     if WIN > 1:
-        b_dvs += tl.load(dv + p_tv, mask=m_tv, other=0)
+        b_dvs += tl.load(dvb + p_tv, mask=m_tv, other=0).to(tl.float32)
     tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
     b_dxs += tl.dot((b_v * b_eta[:, None]).to(dt), tl.trans(b_dh.to(dt)))
     return b_dxs, b_deta
 
 
-# restore_value: falcon3a adds its mt dU' to the band's part that _bwd_dv_local (or _win_bwd_band) left in dv
 @triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
-                                          'IS_VARLEN'],
-                 restore_value=['dv'])
+                                          'IS_VARLEN'])
 @triton.jit
-def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
+def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
              dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -944,10 +942,10 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
     the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
-    (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dv),
+    (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dvb),
     dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). The band (BAND_FORM):
-    BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band (dqb, dxb, dv,
-    dMb)."""
+    BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band (dqb, dxb,
+    dvb, dMb)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1016,9 +1014,9 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         else:
             b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans((b_v * b_eta[:, None]).to(b_q.dtype)))
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n,
-                                            i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN, SHIFT,
-                                            USE_INITIAL_STATE)
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_dxs,
+                                            b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
+                                            SHIFT, USE_INITIAL_STATE)
         b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_dsw = b_ds
@@ -1081,9 +1079,9 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
             p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n,
-                                            i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN, SHIFT,
-                                            USE_INITIAL_STATE)
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_dxs,
+                                            b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
+                                            SHIFT, USE_INITIAL_STATE)
     # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
     # asynchronous tl.dot and register code one shared-memory slot too few: the copy of a later value block then lands
     # in the slot the dot above still reads (dq, dx wrong now and then on the H200; scripts/wgmma_hazards.py finds it
@@ -2080,7 +2078,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # (in the inputs' dtype: it is only read back as a matmul operand in that dtype)
     ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv,
+        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, None,
         dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
         cu_seqlens, ci, co, T,
         DELTA=delta, WIN=0, **gates,
@@ -2107,7 +2105,8 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     else:
-        _bwd_dv_local[(triton.cdiv(V, BV), NT, B * HV)](
+        # (the grid from the launch's BV, so that benchmarks/sweep_configs.py can try other value blocks)
+        _bwd_dv_local[lambda meta: (triton.cdiv(V, meta['BV']), NT, B * HV)](
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
             BAND=band, **common)
     dh = torch.empty_like(h)
@@ -2139,20 +2138,22 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
-    # dv' (rows of the delayed form, fp32): _bwd_dv_local (or _win_bwd_band) writes the band's part, _bwd_dqx adds
-    # the GLA's
+    # dv' (rows of the delayed form, fp32): _bwd_dv_local (or _win_bwd_band) writes the band's part into dvb, _bwd_dqx
+    # adds the GLA's and stores the sum. dvb of 'fold' in the inputs' dtype, as fla's chunk_bwd_dv_local stores its dv
+    # (at bf16, an fp32 dvb was 2 x 134 MB of traffic at (4, 4096, 16, 128, 128))
     dv32 = torch.empty(B, T, HV, V, **f32)
     if BAND_FORM not in BAND_FORMS:
         raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
     band = BAND_FORMS[BAND_FORM] if win > 1 else 0
+    dvb = None if win == 1 else torch.empty(B, T, HV, V, device=q.device, dtype=torch.float32 if band else q.dtype)
     dqb = dxb = dMb = None
     if band == 1:
         dqb, dxb = torch.empty(B, T, HV, K, **f32), torch.empty(B, T, HV, K, **f32)
         dMb = torch.empty(B, T, HV, 8, **f32)
-        _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dv32, dMb, scale, cu, ci,
+        _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb, dMb, scale, cu, ci,
                                     co, T, WIN=win, **dict(common, BV=min(BV, 32)))
     du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
-                               win, wm, dv32, band=band)
+                               win, wm, dvb, band=band)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     has_final = dht is not None and win > 1
     fx = fv = fm = None
@@ -2169,7 +2170,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     # the full value block (BV = 64) up to K = 128: a config sweep on the H200 timed it 0.829 ms against 0.912 for
     # BV = 32 at K = V = 128, but at K = 256 it needs 234 KB of shared memory (the H200 has 227 KB)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32,
+        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32, dvb,
         None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
         **dict(common, BV=BV if BK <= 128 else min(BV, 32)))
