@@ -291,6 +291,19 @@ def test_gpu_bf16_heads128_varlen(rule, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('K', [16, 32])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_gpu_small_heads(rule, K, dtype, device):
+    # K = V = 16, 32: one value block as narrow as the head (BV = V). On the H200 a config sweep of falcon3a's
+    # _bwd_dv_local with 32-wide value blocks (4 warps, K = V = 128) hit an illegal memory access (eighteenth lease),
+    # where the 64-wide blocks it runs there were fine; these heads take that width in every value-blocked kernel
+    cu = torch.tensor([0, 100, 611, 1000], device=device)
+    inputs = make_inputs(rule, 1, 1000, 2, 2, K, K, 'on', True, device, cu_seqlens=cu, window=win(rule))
+    check(run_both(rule, *inputs, dtype, cu_seqlens=cu, window=win(rule)), dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize('dtype,K', [(torch.float32, 128), (torch.float32, 256), (torch.bfloat16, 256)])
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_gpu_large_heads(rule, dtype, K, device):
