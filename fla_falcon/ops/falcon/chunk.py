@@ -2115,10 +2115,14 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     else:
-        # (the grid from the launch's BV, so that benchmarks/sweep_configs.py can try other value blocks)
+        # falcon3a's band ('fold'): up to 128-wide value blocks, so that the scores and the band's weights are formed
+        # once per chunk, not once per 64 values (eighteenth lease, K = V = 128: 0.143 ms against 0.160 at BV = 64,
+        # 4 warps; no spills at K = V = 128, bf16 or fp32, aot_check sm_90). The grid from the launch's BV, so that
+        # benchmarks/sweep_configs.py can try other value blocks
+        bv = min(max(triton.next_power_of_2(V), 16), 128) if win > 1 and band == 0 and BK <= 128 else BV
         _bwd_dv_local[lambda meta: (triton.cdiv(V, meta['BV']), NT, B * HV)](
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
-            BAND=band, **common)
+            BAND=band, **dict(common, BV=bv))
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -2181,13 +2185,14 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     dG = torch.empty(B, T, HV, **f32)
     yz = torch.empty(B, T, HV, 16, **f32)
     ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
-    # the full value block (BV = 64) up to K = 128: a config sweep on the H200 timed it 0.829 ms against 0.912 for
-    # BV = 32 at K = V = 128, but at K = 256 it needs 234 KB of shared memory (the H200 has 227 KB)
+    # the full value block (BV = 64) at K = 128: a config sweep on the H200 timed it 0.829 ms against 0.912 for BV = 32
+    # at K = V = 128 bf16 (no spills; fp32: 408 B of stack against 704 at BV = 32). At K = 256 it needs 234 KB of
+    # shared memory (the H200 has 227 KB); at K = V = 64 it spilled 192 B where BV = 32 spills none (aot_check, sm_90)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dxd, dG, None, dvd, dvb, dvt,
         None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
-        **dict(common, BV=BV if BK <= 128 else min(BV, 32)))
+        **dict(common, BV=BV if BK == 128 else min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
