@@ -911,9 +911,9 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_
                     m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr,
                     SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """_bwd_dqx's state side for one value block (falcon1a, falcon3a): dU gets its state path (falcon1 added it in
-    _bwd_dhu), dv = eta dU (falcon3a: + the band's part that _bwd_dv_local or _win_bwd_band left in dv) is stored;
+    _bwd_dhu), dv = eta dU (falcon3a: + the band's part that _bwd_dv_local or _win_bwd_band left in dvb) is stored;
     returns the accumulated u dh^T (the state's share of dx) and deta = rowsum(dU * v). dh feeds tensor-core
-    products only (see the <h, dh> loop of _bwd_dqx). The band's part is read from dvb, so dv is only written."""
+    products only (see the <h, dh> loop of _bwd_dqx)."""
     dt = b_x.dtype
     b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
     b_du = tl.load(du + p_tv, mask=m_tv, other=0)
