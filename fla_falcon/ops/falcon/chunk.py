@@ -907,7 +907,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
 
 
 @triton.jit
-def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t,
+def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t,
                     m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr,
                     SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """_bwd_dqx's state side for one value block (falcon1a, falcon3a): dU gets its state path (falcon1 added it in
@@ -923,6 +923,9 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_
     b_dvs = b_du * b_eta[:, None]
     if WIN > 1:
         b_dvs += tl.load(dvb + p_tv, mask=m_tv, other=0).to(tl.float32)
+        if USE_INITIAL_STATE:   # the sequence's first W - 1 rows: dv' of the carried tail's pairs, in fp32
+            tl.store(dvt + ((i_n * HV + i_hv) * 8 + o_t)[:, None] * V + o_v[None, :], b_dvs,
+                     mask=m_tv & (o_t < WIN - 1)[:, None])
     tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
     b_dxs += tl.dot((b_v * b_eta[:, None]).to(dt), tl.trans(b_dh.to(dt)))
     return b_dxs, b_deta
@@ -932,7 +935,7 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_
                                           'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
-             dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
+             dvt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -942,10 +945,10 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
     the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
-    (see _fwd_o) and stores dq, dx' and dv' (fp32; dv' = mt dU' + the band's part that _bwd_dv_local left in dvb),
-    dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). The band (BAND_FORM):
-    BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band (dqb, dxb,
-    dvb, dMb)."""
+    (see _fwd_o) and stores dq, dx' and dv' (summed in fp32; dv' = mt dU' + the band's part that _bwd_dv_local left
+    in dvb), dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). The band
+    (BAND_FORM): BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band
+    (dqb, dxb, dvb, dMb)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1014,7 +1017,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         else:
             b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans((b_v * b_eta[:, None]).to(b_q.dtype)))
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_dxs,
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_eta, b_dxs,
                                             b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
                                             SHIFT, USE_INITIAL_STATE)
         b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
@@ -1079,7 +1082,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
             p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, b_x, b_G, b_Gl, b_eta, b_dxs,
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_eta, b_dxs,
                                             b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
                                             SHIFT, USE_INITIAL_STATE)
     # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
@@ -1114,7 +1117,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
         tl.store(dw + p_tk, -b_dw, mask=m_tk)
     elif WIN > 0:
-        tl.store(dx + p_tk, b_dx, mask=m_tk)
+        tl.store(dx + p_tk, b_dx.to(dx.dtype.element_ty), mask=m_tk)
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
         # the window weights' gradients (dmt = deta, dMb) as per-row terms: with w[t, d] = dmt_t + sum_{d' >= d}
         # dMb[t, d'] (mt = wm[., W - 1], Mb[t, d] = wm[t, d] = sum_{j <= d} c_{t-j} e[t, j], e[t, j] = exp(g_{t-j+1} +
@@ -1848,13 +1851,14 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
 
 
 @triton.jit
-def _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T, o_p, m_p,
+def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T, o_p, m_p,
                     R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-                    USE_INITIAL_STATE: tl.constexpr):
+                    USE_INITIAL_STATE: tl.constexpr, TAIL: tl.constexpr = False):
     """dx (returned, fp32, with the pairs' validity) and dv (stored at dv_out + r_dv) of the R pairs o_p: dx'/dv' of the
-    delayed GLA row p + W - 1 (the GLA and the band, _bwd_dqx), or for the sequence's last W - 1 pairs fx / fv
-    (_win_bwd_final), and the window energy x_p sum_{r = p}^{p + W - 1} wE_r."""
+    delayed GLA row p + W - 1 (the GLA and the band, _bwd_dqx; TAIL: the carried tail's pairs, p < 0, their dv' from
+    dvt), or for the sequence's last W - 1 pairs fx / fv (_win_bwd_final), and the window energy
+    x_p sum_{r = p}^{p + W - 1} wE_r."""
     o_k = tl.arange(0, BK)
     b_x, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
                                USE_INITIAL_STATE)
@@ -1865,13 +1869,18 @@ def _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dv_out, r_
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = (o_v < V)[None, :]
-        b_dv = tl.load(dv32 + ((bos + r_g) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v, other=0)
+        if TAIL:
+            b_dv = tl.load(dvt + ((i_n * HV + i_hv) * 8 + r_g)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v,
+                           other=0)
+        else:
+            b_dv = tl.load(dvd + ((bos + r_g) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v,
+                           other=0).to(tl.float32)
         if WIN > 1:
             b_dv += tl.load(fv + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v,
                             other=0)
         tl.store(dv_out + r_dv[:, None] + o_v[None, :], b_dv.to(dv_out.dtype.element_ty), mask=m_p[:, None] & m_v)
     m_pk = (o_k < K)[None, :]
-    b_dx = tl.load(dx32 + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_pk, other=0)
+    b_dx = tl.load(dxd + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_pk, other=0)
     if WIN > 1:
         b_dx += tl.load(fx + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_pk,
                         other=0)
@@ -1887,7 +1896,7 @@ def _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dv_out, r_
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _win_bwd_pairs(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
+def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
@@ -1900,9 +1909,9 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dk, dv, dla
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dv, ((bos + o_t) * HV + i_hv) * V,
-                                  i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K, V, BK, BV, WIN, SHIFT,
-                                  USE_INITIAL_STATE)
+    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dv,
+                                  ((bos + o_t) * HV + i_hv) * V, i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K, V, BK,
+                                  BV, WIN, SHIFT, USE_INITIAL_STATE)
     _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
     if USE_INITIAL_STATE:
         if WIN > 1:
@@ -1910,9 +1919,9 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dk, dv, dla
                 o_p = tl.arange(0, 8) - 8
                 m_p = o_p >= -(WIN - 1)
                 r_tail = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p
-                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dtail_v, r_tail * V,
-                                                 i_n, i_h, i_hv, bos, T, o_p, m_p, 8, H, HV, K, V, BK, BV, WIN, SHIFT,
-                                                 USE_INITIAL_STATE)
+                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dtail_v,
+                                                 r_tail * V, i_n, i_h, i_hv, bos, T, o_p, m_p, 8, H, HV, K, V, BK, BV,
+                                                 WIN, SHIFT, USE_INITIAL_STATE, TAIL=True)
                 o_k = tl.arange(0, BK)
                 tl.store(dtail_x + r_tail[:, None] * K + o_k[None, :], b_dxp, mask=m_p[:, None] & (o_k < K)[None, :])
 
@@ -2078,7 +2087,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # (in the inputs' dtype: it is only read back as a matmul operand in that dtype)
     ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, None,
+        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, None, None,
         dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
         cu_seqlens, ci, co, T,
         DELTA=delta, WIN=0, **gates,
@@ -2105,10 +2114,14 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
     else:
-        # (the grid from the launch's BV, so that benchmarks/sweep_configs.py can try other value blocks)
+        # falcon3a's band ('fold'): up to 128-wide value blocks, so that the scores and the band's weights are formed
+        # once per chunk, not once per 64 values (eighteenth lease, K = V = 128: 0.143 ms against 0.160 at BV = 64,
+        # 4 warps; no spills at K = V = 128, bf16 or fp32, aot_check sm_90). The grid from the launch's BV, so that
+        # benchmarks/sweep_configs.py can try other value blocks
+        bv = min(max(triton.next_power_of_2(V), 16), 128) if win > 1 and band == 0 and BK <= 128 else BV
         _bwd_dv_local[lambda meta: (triton.cdiv(V, meta['BV']), NT, B * HV)](
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
-            BAND=band, **common)
+            BAND=band, **dict(common, BV=bv))
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
@@ -2138,10 +2151,14 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
-    # dv' (rows of the delayed form, fp32): _bwd_dv_local (or _win_bwd_band) writes the band's part into dvb, _bwd_dqx
-    # adds the GLA's and stores the sum. dvb of 'fold' in the inputs' dtype, as fla's chunk_bwd_dv_local stores its dv
-    # (at bf16, an fp32 dvb was 2 x 134 MB of traffic at (4, 4096, 16, 128, 128))
-    dv32 = torch.empty(B, T, HV, V, **f32)
+    # dv' (rows of the delayed form): _bwd_dv_local (or _win_bwd_band) writes the band's part into dvb, _bwd_dqx adds
+    # the GLA's, and _win_bwd_pairs moves the sum to the pairs (dv is dv' shifted by W - 1 rows). Summed in fp32,
+    # stored in v's dtype (an fp32 dv' was 2 x 134 MB of traffic more at (4, 4096, 16, 128, 128) bf16), but for the
+    # first W - 1 rows of each sequence, whose pairs are the carried tail: their gradient is state, kept in fp32 (dvt).
+    # dvb of 'fold' in the inputs' dtype too, as fla's chunk_bwd_dv_local stores its dv. dx' stays fp32: in the inputs'
+    # dtype it took dk's bf16 error from 5.1e-3 to 6.5e-3 (K = V = 64, T = 200, against the fp64 reference)
+    dvd = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    dvt = torch.empty(N, HV, 8, V, **f32) if use_init and win > 1 else None
     if BAND_FORM not in BAND_FORMS:
         raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
     band = BAND_FORMS[BAND_FORM] if win > 1 else 0
@@ -2163,17 +2180,18 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
                                   WIN=win, HAS_FINAL=has_final, **common, num_warps=8)
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
-    dx32 = torch.empty(B, T, HV, K, **f32)
+    dxd = torch.empty(B, T, HV, K, **f32)
     dG = torch.empty(B, T, HV, **f32)
     yz = torch.empty(B, T, HV, 16, **f32)
     ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
-    # the full value block (BV = 64) up to K = 128: a config sweep on the H200 timed it 0.829 ms against 0.912 for
-    # BV = 32 at K = V = 128, but at K = 256 it needs 234 KB of shared memory (the H200 has 227 KB)
+    # the full value block (BV = 64) at K = 128: a config sweep on the H200 timed it 0.829 ms against 0.912 for BV = 32
+    # at K = V = 128 bf16 (no spills; fp32: 408 B of stack against 704 at BV = 32). At K = 256 it needs 234 KB of
+    # shared memory (the H200 has 227 KB); at K = V = 64 it spilled 192 B where BV = 32 spills none (aot_check, sm_90)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dx32, dG, None, dv32, dvb,
+        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dxd, dG, None, dvd, dvb, dvt,
         None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
-        **dict(common, BV=BV if BK <= 128 else min(BV, 32)))
+        **dict(common, BV=BV if BK == 128 else min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
@@ -2184,7 +2202,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init and win > 1 else None
     dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init and win > 1 else None
-    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dx32, dv32, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
+    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
                                  cu, ci, co, T, WIN=win, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
