@@ -935,7 +935,7 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_et
                                           'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
-             dvt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
+             dvt, dxt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -1118,6 +1118,9 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         tl.store(dw + p_tk, -b_dw, mask=m_tk)
     elif WIN > 0:
         tl.store(dx + p_tk, b_dx.to(dx.dtype.element_ty), mask=m_tk)
+        if USE_INITIAL_STATE:   # the sequence's first W rows: dx' of the pairs that give the carried state's gradients
+            tl.store(dxt + ((i_n * HV + i_hv) * 8 + o_t)[:, None] * K + o_k[None, :], b_dx,
+                     mask=m_tk & (o_t < WIN)[:, None])
         tl.store(dG + (bos + o_t) * HV + i_hv, b_dG, mask=m_t)
         # the window weights' gradients (dmt = deta, dMb) as per-row terms: with w[t, d] = dmt_t + sum_{d' >= d}
         # dMb[t, d'] (mt = wm[., W - 1], Mb[t, d] = wm[t, d] = sum_{j <= d} c_{t-j} e[t, j], e[t, j] = exp(g_{t-j+1} +
@@ -1851,8 +1854,8 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
 
 
 @triton.jit
-def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T, o_p, m_p,
-                    R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T,
+                    o_p, m_p, R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
                     USE_INITIAL_STATE: tl.constexpr, TAIL: tl.constexpr = False):
     """dx (returned, fp32, with the pairs' validity) and dv (stored at dv_out + r_dv) of the R pairs o_p: dx'/dv' of the
@@ -1880,7 +1883,14 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dv_out,
                             other=0)
         tl.store(dv_out + r_dv[:, None] + o_v[None, :], b_dv.to(dv_out.dtype.element_ty), mask=m_p[:, None] & m_v)
     m_pk = (o_k < K)[None, :]
-    b_dx = tl.load(dxd + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_g[:, None] & m_pk, other=0)
+    p_dx = dxd + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :]
+    if USE_INITIAL_STATE:   # rows r_g < W (the pairs of last_k and the tail) from dxt, in fp32
+        m_h = r_g < WIN
+        b_dx = tl.load(dxt + ((i_n * HV + i_hv) * 8 + r_g)[:, None] * K + o_k[None, :],
+                       mask=(m_g & m_h)[:, None] & m_pk, other=0)
+        b_dx += tl.load(p_dx, mask=(m_g & (r_g >= WIN))[:, None] & m_pk, other=0).to(tl.float32)
+    else:
+        b_dx = tl.load(p_dx, mask=m_g[:, None] & m_pk, other=0).to(tl.float32)
     if WIN > 1:
         b_dx += tl.load(fx + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_pk,
                         other=0)
@@ -1896,7 +1906,7 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dv_out,
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
+def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
@@ -1909,7 +1919,7 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dk, dv, 
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dv,
+    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dv,
                                   ((bos + o_t) * HV + i_hv) * V, i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K, V, BK,
                                   BV, WIN, SHIFT, USE_INITIAL_STATE)
     _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
@@ -1919,7 +1929,7 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dk, dv, 
                 o_p = tl.arange(0, 8) - 8
                 m_p = o_p >= -(WIN - 1)
                 r_tail = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p
-                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dtail_v,
+                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dtail_v,
                                                  r_tail * V, i_n, i_h, i_hv, bos, T, o_p, m_p, 8, H, HV, K, V, BK, BV,
                                                  WIN, SHIFT, USE_INITIAL_STATE, TAIL=True)
                 o_k = tl.arange(0, BK)
@@ -2087,7 +2097,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # (in the inputs' dtype: it is only read back as a matmul operand in that dtype)
     ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, None, None,
+        q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, None, None, None,
         dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
         cu_seqlens, ci, co, T,
         DELTA=delta, WIN=0, **gates,
@@ -2155,10 +2165,13 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     # the GLA's, and _win_bwd_pairs moves the sum to the pairs (dv is dv' shifted by W - 1 rows). Summed in fp32,
     # stored in v's dtype (an fp32 dv' was 2 x 134 MB of traffic more at (4, 4096, 16, 128, 128) bf16), but for the
     # first W - 1 rows of each sequence, whose pairs are the carried tail: their gradient is state, kept in fp32 (dvt).
-    # dvb of 'fold' in the inputs' dtype too, as fla's chunk_bwd_dv_local stores its dv. dx' stays fp32: in the inputs'
-    # dtype it took dk's bf16 error from 5.1e-3 to 6.5e-3 (K = V = 64, T = 200, against the fp64 reference)
+    # dvb of 'fold' in the inputs' dtype too, as fla's chunk_bwd_dv_local stores its dv. dx' likewise in the inputs'
+    # dtype (summed in fp32; dk's bf16 error against the fp64 reference went from 5.1e-3 to 6.5e-3 at K = V = 64,
+    # T = 200, below o's 7.1e-3 and dq's 7.2e-3), but for the first W rows of each sequence, whose pairs give the
+    # carried state's gradients (last_k, tail_x): fp32 (dxt)
     dvd = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     dvt = torch.empty(N, HV, 8, V, **f32) if use_init and win > 1 else None
+    dxt = torch.empty(N, HV, 8, K, **f32) if use_init else None
     if BAND_FORM not in BAND_FORMS:
         raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
     band = BAND_FORMS[BAND_FORM] if win > 1 else 0
@@ -2180,7 +2193,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
                                   WIN=win, HAS_FINAL=has_final, **common, num_warps=8)
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
-    dxd = torch.empty(B, T, HV, K, **f32)
+    dxd = torch.empty(B, T, HV, K, device=q.device, dtype=q.dtype)
     dG = torch.empty(B, T, HV, **f32)
     yz = torch.empty(B, T, HV, 16, **f32)
     ds_buf = torch.empty(B, T, HV, BT, device=q.device, dtype=q.dtype)   # read back only as a matmul operand
@@ -2189,7 +2202,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     # shared memory (the H200 has 227 KB); at K = V = 64 it spilled 192 B where BV = 32 spills none (aot_check, sm_90)
     _bwd_dqx[(NT, B * HV)](
         q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dxd, dG, None, dvd, dvb, dvt,
-        None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
+        dxt, None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
         **dict(common, BV=BV if BK == 128 else min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
@@ -2202,8 +2215,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init and win > 1 else None
     dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init and win > 1 else None
-    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dxd, dvd, dvt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
-                                 cu, ci, co, T, WIN=win, **common)
+    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x,
+                                 dtail_v, cu, ci, co, T, WIN=win, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
