@@ -907,8 +907,8 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
 
 
 @triton.jit
-def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos, o_t,
-                    m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr,
+def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, b_eta, b_dxs, b_deta, i_n, i_hv, bos,
+                    o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV: tl.constexpr, V: tl.constexpr, WIN: tl.constexpr,
                     SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """_bwd_dqx's state side for one value block (falcon1a, falcon3a): dU gets its state path (falcon1 added it in
     _bwd_dhu), dv = eta dU (falcon3a: + the band's part that _bwd_dv_local or _win_bwd_band left in dvb) is stored;
@@ -923,10 +923,14 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_et
     b_dvs = b_du * b_eta[:, None]
     if WIN > 1:
         b_dvs += tl.load(dvb + p_tv, mask=m_tv, other=0).to(tl.float32)
-        if USE_INITIAL_STATE:   # the sequence's first W - 1 rows: dv' of the carried tail's pairs, in fp32
-            tl.store(dvt + ((i_n * HV + i_hv) * 8 + o_t)[:, None] * V + o_v[None, :], b_dvs,
+        # dv' of the delayed row t is dv of its pair p = t - (W - 1), stored there; the sequence's first W - 1 rows
+        # are the carried tail's pairs, whose gradient is state: fp32, in dtail_v
+        if USE_INITIAL_STATE:
+            tl.store(dtail_v + ((i_n * HV + i_hv) * (WIN - 1) + o_t)[:, None] * V + o_v[None, :], b_dvs,
                      mask=m_tv & (o_t < WIN - 1)[:, None])
-    tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv - (WIN - 1) * HV * V, b_dvs.to(dv.dtype.element_ty), mask=m_tv & (o_t >= WIN - 1)[:, None])
+    else:
+        tl.store(dv + p_tv, b_dvs.to(dv.dtype.element_ty), mask=m_tv)
     b_dxs += tl.dot((b_v * b_eta[:, None]).to(dt), tl.trans(b_dh.to(dt)))
     return b_dxs, b_deta
 
@@ -935,7 +939,7 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_et
                                           'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
-             dvt, dxt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
+             dtail_v, dxt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
              cu_seqlens, chunk_indices, chunk_offsets, T,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -1017,7 +1021,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         else:
             b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
             b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans((b_v * b_eta[:, None]).to(b_q.dtype)))
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_eta, b_dxs,
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, b_eta, b_dxs,
                                             b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
                                             SHIFT, USE_INITIAL_STATE)
         b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
@@ -1082,7 +1086,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
             p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dvt, b_x, b_G, b_Gl, b_eta, b_dxs,
+            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, b_eta, b_dxs,
                                             b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
                                             SHIFT, USE_INITIAL_STATE)
     # <h, dh> from loads of their own. Triton 3.6's pipeliner (Hopper, num_stages >= 2) gives a tile that feeds both an
@@ -1854,14 +1858,14 @@ def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
 
 
 @triton.jit
-def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T,
+def _win_pair_grads(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dv_out, r_dv, i_n, i_h, i_hv, bos, T,
                     o_p, m_p, R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
-                    USE_INITIAL_STATE: tl.constexpr, TAIL: tl.constexpr = False):
-    """dx (returned, fp32, with the pairs' validity) and dv (stored at dv_out + r_dv) of the R pairs o_p: dx'/dv' of the
-    delayed GLA row p + W - 1 (the GLA and the band, _bwd_dqx; TAIL: the carried tail's pairs, p < 0, their dv' from
-    dvt), or for the sequence's last W - 1 pairs fx / fv (_win_bwd_final), and the window energy
-    x_p sum_{r = p}^{p + W - 1} wE_r."""
+                    USE_INITIAL_STATE: tl.constexpr):
+    """dx (returned, fp32, with the pairs' validity) of the R pairs o_p: dx' of the delayed GLA row p + W - 1 (the GLA
+    and the band, _bwd_dqx), or for the sequence's last W - 1 pairs fx (_win_bwd_final), and the window energy
+    x_p sum_{r = p}^{p + W - 1} wE_r. dv: _bwd_dqx stores dv' at the pairs; here only those last W - 1 pairs' fv
+    (stored at dv_out + r_dv)."""
     o_k = tl.arange(0, BK)
     b_x, valid_p = _load_win_x(k, last_k, count, tail_x, i_n, i_h, bos, o_p, m_p, H, K, BK, WIN, SHIFT,
                                USE_INITIAL_STATE)
@@ -1869,19 +1873,13 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dv
     m_g = m_p & (r_g < T)
     j_f = o_p - (T - 16)            # its row in fx / fv when it has none
     m_f = m_p & (r_g >= T)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = (o_v < V)[None, :]
-        if TAIL:
-            b_dv = tl.load(dvt + ((i_n * HV + i_hv) * 8 + r_g)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v,
-                           other=0)
-        else:
-            b_dv = tl.load(dvd + ((bos + r_g) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_g[:, None] & m_v,
-                           other=0).to(tl.float32)
-        if WIN > 1:
-            b_dv += tl.load(fv + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v,
-                            other=0)
-        tl.store(dv_out + r_dv[:, None] + o_v[None, :], b_dv.to(dv_out.dtype.element_ty), mask=m_p[:, None] & m_v)
+    if WIN > 1:
+        if tl.max(m_f.to(tl.int32), 0) > 0:
+            for i_v in range(tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_fv = m_f[:, None] & (o_v < V)[None, :]
+                b_dv = tl.load(fv + ((i_n * HV + i_hv) * 16 + j_f)[:, None] * V + o_v[None, :], mask=m_fv, other=0)
+                tl.store(dv_out + r_dv[:, None] + o_v[None, :], b_dv.to(dv_out.dtype.element_ty), mask=m_fv)
     m_pk = (o_k < K)[None, :]
     p_dx = dxd + ((bos + r_g) * HV + i_hv)[:, None] * K + o_k[None, :]
     if USE_INITIAL_STATE:   # rows r_g < W (the pairs of last_k and the tail) from dxt, in fp32
@@ -1906,7 +1904,7 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dv
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
+def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr,
@@ -1919,7 +1917,7 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dk,
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dv,
+    b_dx, valid = _win_pair_grads(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dv,
                                   ((bos + o_t) * HV + i_hv) * V, i_n, i_h, i_hv, bos, T, o_t, m_t, BT, H, HV, K, V, BK,
                                   BV, WIN, SHIFT, USE_INITIAL_STATE)
     _store_dk(b_dx, valid, dk, dlast_k, i_n, i_t, i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
@@ -1929,9 +1927,9 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dk,
                 o_p = tl.arange(0, 8) - 8
                 m_p = o_p >= -(WIN - 1)
                 r_tail = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + o_p
-                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dtail_v,
+                b_dxp, valid_p = _win_pair_grads(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dtail_v,
                                                  r_tail * V, i_n, i_h, i_hv, bos, T, o_p, m_p, 8, H, HV, K, V, BK, BV,
-                                                 WIN, SHIFT, USE_INITIAL_STATE, TAIL=True)
+                                                 WIN, SHIFT, USE_INITIAL_STATE)
                 o_k = tl.arange(0, BK)
                 tl.store(dtail_x + r_tail[:, None] * K + o_k[None, :], b_dxp, mask=m_p[:, None] & (o_k < K)[None, :])
 
@@ -2162,15 +2160,15 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
     # dv' (rows of the delayed form): _bwd_dv_local (or _win_bwd_band) writes the band's part into dvb, _bwd_dqx adds
-    # the GLA's, and _win_bwd_pairs moves the sum to the pairs (dv is dv' shifted by W - 1 rows). Summed in fp32,
-    # stored in v's dtype (an fp32 dv' was 2 x 134 MB of traffic more at (4, 4096, 16, 128, 128) bf16), but for the
-    # first W - 1 rows of each sequence, whose pairs are the carried tail: their gradient is state, kept in fp32 (dvt).
-    # dvb of 'fold' in the inputs' dtype too, as fla's chunk_bwd_dv_local stores its dv. dx' likewise in the inputs'
-    # dtype (summed in fp32; dk's bf16 error against the fp64 reference went from 5.1e-3 to 6.5e-3 at K = V = 64,
-    # T = 200, below o's 7.1e-3 and dq's 7.2e-3), but for the first W rows of each sequence, whose pairs give the
-    # carried state's gradients (last_k, tail_x): fp32 (dxt)
-    dvd = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    dvt = torch.empty(N, HV, 8, V, **f32) if use_init and win > 1 else None
+    # the GLA's and stores the sum (fp32) as dv of the pair, W - 1 rows back, in v's dtype (through a dv' buffer it was
+    # 2 x 67 MB more traffic at (4, 4096, 16, 128, 128) bf16); the sequence's first W - 1 rows are the carried tail's
+    # pairs, whose gradient is state (dtail_v, fp32), and its last W - 1 pairs have no delayed row (_win_bwd_final's
+    # fv, which _win_bwd_pairs stores). dvb of 'fold' in the inputs' dtype too, as fla's chunk_bwd_dv_local stores its
+    # dv. dx' likewise in the inputs' dtype (summed in fp32; dk's bf16 error against the fp64 reference went from 5.1e-3
+    # to 6.5e-3 at K = V = 64, T = 200, below o's 7.1e-3 and dq's 7.2e-3), but for the first W rows of each sequence,
+    # whose pairs give the carried state's gradients (last_k, tail_x): fp32 (dxt)
+    dv = torch.empty_like(v)
+    dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init and win > 1 else None
     dxt = torch.empty(N, HV, 8, K, **f32) if use_init else None
     if BAND_FORM not in BAND_FORMS:
         raise ValueError(f"BAND_FORM must be one of {sorted(BAND_FORMS)}, got {BAND_FORM!r}")
@@ -2201,8 +2199,9 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     # at K = V = 128 bf16 (no spills; fp32: 408 B of stack against 704 at BV = 32). At K = 256 it needs 234 KB of
     # shared memory (the H200 has 227 KB); at K = V = 64 it spilled 192 B where BV = 32 spills none (aot_check, sm_90)
     _bwd_dqx[(NT, B * HV)](
-        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dxd, dG, None, dvd, dvb, dvt,
-        dxt, None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci, co, T,
+        q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, mt, None, h, dh, do, du, dq, dxd, dG, None, dv, dvb,
+        dtail_v, dxt, None, None, None, None, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma, cu, ci,
+        co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
         **dict(common, BV=BV if BK == 128 else min(BV, 32)))
     dbeta = torch.empty(beta.shape, **f32)
@@ -2211,11 +2210,9 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     _win_bwd_gates[(NT, B * HV)](beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma, cu, ci, co, T, HV=HV,
                                  BT=BT, WIN=win, IS_VARLEN=common['IS_VARLEN'], **gates)
     dk = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
-    dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dtail_x = torch.zeros(N, HV, win - 1, K, **f32) if use_init and win > 1 else None
-    dtail_v = torch.zeros(N, HV, win - 1, V, **f32) if use_init and win > 1 else None
-    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dxd, dvd, dvt, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x,
+    _win_bwd_pairs[(NT, B * HV)](k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x,
                                  dtail_v, cu, ci, co, T, WIN=win, **common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
