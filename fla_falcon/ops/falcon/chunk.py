@@ -69,6 +69,8 @@ from fla_falcon.ops.falcon.utils import (
     DEFAULT_EPS,
     DEFAULT_EPS_GAMMA,
     FalconState,
+    autotune,
+    narrow_warps,
     rule_info,
     validate_falcon_inputs,
 )
@@ -423,7 +425,7 @@ def _band_w(wm, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_s, WIN: tl.constexpr, T
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
+@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
 @triton.jit
 def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
@@ -581,7 +583,7 @@ def _wy_store(A, b_blk, bos, i_hv, r0, c0, T, HV: tl.constexpr, BT: tl.constexpr
              mask=((r0 + o_i) < T)[:, None] & (o_i >= 0)[None, :])
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (1, 2, 4)],
+@autotune([triton.Config({}, num_warps=w) for w in (1, 2, 4)],
                  key=['H', 'HV', 'K', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -635,7 +637,7 @@ def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offs
         _wy_store(A, b_Ai33, bos, i_hv, t0 + 48, 48, T, HV, BT)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -668,7 +670,7 @@ def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chun
         tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
+@autotune(CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
            cu_seqlens, chunk_offsets, T,
@@ -735,7 +737,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
+@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
            cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -797,7 +799,7 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
 # backward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND', 'IS_VARLEN'])
+@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -847,7 +849,7 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
         tl.store(dvb + p_tv, b_dvb, mask=m_tv)
 
 
-@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
+@autotune(CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
                  restore_value=['du'])
 @triton.jit
 def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
@@ -935,7 +937,7 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, 
     return b_dxs, b_deta
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
+@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
                                           'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
@@ -1146,7 +1148,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
                           i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_gates(k, v, beta, lam, last_k, count, G, A, dP, dx, dG, dw, du, dv, dk, dlast_k, dbeta, dlam,
                eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1281,7 +1283,7 @@ def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m
     return b_acc
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
+@autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
@@ -1351,7 +1353,7 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
             tl.store(o32 + p_vt, b_o, mask=m_vt)
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
+@autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
@@ -1409,7 +1411,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
         tl.store(du + p_vs, b_du * scale, mask=m_vs)
 
 
-@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
+@autotune(CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1492,7 +1494,7 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
 
 
 # 8 warps: with 4, ptxas spills 192-320 B at K = V = 128 (scripts/aot_check.py, sm_90a)
-@triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
+@autotune([triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, NTOK, ds_buf, dm_buf,
@@ -1734,7 +1736,7 @@ def _band_dx(q, b_cx, i_h, bos, o_t, m_t, o_k, o_d, H: tl.constexpr, K: tl.const
 
 
 # (4 warps spilled 96-800 B per thread at K = V = 128, aot_check sm_90; 8 warps none)
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb, dMb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1825,7 +1827,7 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
     tl.store(fm + i_nh * 16 + o_j, b_fm)
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)],
+@autotune([triton.Config({}, num_warps=w) for w in (2, 4)],
                  key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
@@ -1901,7 +1903,7 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dv_out, r_dv
     return b_dx, valid_p
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
+@autotune([triton.Config({}, num_warps=w) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
@@ -2188,7 +2190,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     if win > 1:
         fx, fv, fm = torch.empty(N, HV, 16, K, **f32), torch.empty(N, HV, 16, V, **f32), torch.empty(N, HV, 16, **f32)
         _win_bwd_final[(N * HV,)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, fm, scale, cu, co, T,
-                                  WIN=win, HAS_FINAL=has_final, **common, num_warps=8)
+                                  WIN=win, HAS_FINAL=has_final, **common, num_warps=narrow_warps(K, V, 8))
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
     dxd = torch.empty(B, T, HV, K, device=q.device, dtype=q.dtype)
