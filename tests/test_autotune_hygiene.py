@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
 import fla_falcon.ops
-from fla_falcon.ops.falcon.utils import narrow_warps, prune_narrow_heads
+from fla_falcon.ops.falcon.utils import narrow_head_configs, narrow_warps, prune_narrow_heads
 
 
 def _autotuned_kernels():
@@ -82,3 +82,17 @@ def test_prune_narrow_heads():
     (c,) = prune_narrow_heads(only8, {}, K=32, V=32)
     assert (c.num_warps, c.num_stages, c.kwargs) == (4, 3, {'BV': 32})
     assert narrow_warps(16, 128, 8) == 4 and narrow_warps(64, 64, 8) == 8
+
+
+def test_narrow_head_configs_single_config():
+    # Triton's autotuner calls early_config_prune only for lists of two or more configs: a kernel with one 8-warp
+    # config (falcon3's _bwd_dqx3) gets its 4-warp copy in the list, used at narrow heads only
+    (c8,) = [triton.Config({'BV': 64}, num_warps=8, num_stages=2)]
+    configs = narrow_head_configs([c8])
+    assert len(configs) == 2 and configs[0] is c8
+    assert prune_narrow_heads(configs, {}, K=128, V=128) == [c8]
+    (c4,) = prune_narrow_heads(configs, {}, K=128, V=32)
+    assert (c4.num_warps, c4.num_stages, c4.kwargs) == (4, 2, {'BV': 64})
+    # a list with a config of at most 4 warps is kept as it is
+    mixed = [triton.Config({}, num_warps=w) for w in (4, 8)]
+    assert narrow_head_configs(mixed) == mixed

@@ -584,7 +584,7 @@ def _wy_store(A, b_blk, bos, i_hv, r0, c0, T, HV: tl.constexpr, BT: tl.constexpr
 
 
 @autotune([triton.Config({}, num_warps=w) for w in (1, 2, 4)],
-                 key=['H', 'HV', 'K', 'BT', 'IS_VARLEN'])
+          key=['H', 'HV', 'K', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offsets, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -850,7 +850,7 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
 
 
 @autotune(CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
-                 restore_value=['du'])
+          restore_value=['du'])
 @triton.jit
 def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
              cu_seqlens, chunk_offsets, T,
@@ -937,8 +937,7 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, 
     return b_dxs, b_deta
 
 
-@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
-                                          'IS_VARLEN'])
+@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
              dtail_v, dxt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
@@ -1284,7 +1283,7 @@ def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m
 
 
 @autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
-                 key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+          key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1354,7 +1353,7 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
 
 
 @autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
-                 key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+          key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
                       cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1495,7 +1494,7 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
 
 # 8 warps: with 4, ptxas spills 192-320 B at K = V = 128 (scripts/aot_check.py, sm_90a)
 @autotune([triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
-                 key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
+          key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, NTOK, ds_buf, dm_buf,
                  dq, dk, dlast_k, dlam, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1828,7 +1827,7 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
 
 
 @autotune([triton.Config({}, num_warps=w) for w in (2, 4)],
-                 key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
+          key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1904,7 +1903,7 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dv_out, r_dv
 
 
 @autotune([triton.Config({}, num_warps=w) for w in (4, 8)],
-                 key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+          key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
