@@ -1253,6 +1253,11 @@ def _bwd_gates(k, v, beta, lam, last_k, count, G, A, dP, dx, dG, dw, du, dv, dk,
 # ----------------------------------------------------------------------------------------------
 
 DIAG_SPAN = tl.constexpr(80.0)
+# A chunk whose decay spans at most CHUNK_SPAN in every column (the usual case: the clamp is rarely active for long)
+# goes in one [BT, BT] product, factored at one row of the chunk (its first; the last for dU), instead of one product
+# per 16-row sub-chunk: four times fewer exponentials of [BT, BV] tiles, and 64-wide tensor-core tiles. The bound
+# keeps the factors that grow (<= e^CHUNK_SPAN) far from fp32's and bf16's range; a larger span takes the sub-chunks.
+CHUNK_SPAN = tl.constexpr(40.0)
 
 
 @triton.jit
@@ -1318,38 +1323,54 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
     b_us = tl.load(v + p_vs, mask=m_vs, other=0).to(tl.float32) * tl.load(eta + p_vs, mask=m_vs, other=0)
     b_hT = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[None, :] * V + o_v[:, None],
                    mask=m_v[:, None] & m_k[None, :], other=0).to(dt)
-    for a in range(BT // 16):
-        f = i_t * BT + a * 16
-        r_t = f + o_c
-        m_t = r_t < T
-        m_vt = m_v[:, None] & m_t[None, :]
-        p_vt = ((bos + r_t) * HV + i_hv)[None, :] * V + o_v[:, None]
-        b_qT = tl.load(q + ((bos + r_t) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+    # the whole chunk at once when its decay spans at most CHUNK_SPAN, factored at its first row r
+    b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+    span_c = tl.max(tl.max(tl.where(m_vs, b_Gr[:, None] - b_Gs, 0.), 1), 0)
+    if span_c <= CHUNK_SPAN:
+        b_qT = tl.load(q + ((bos + r_s) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :],
                        other=0)
-        b_Gt = tl.load(G + p_vt, mask=m_vt, other=0)
-        b_o = tl.dot(b_hT, b_qT) * tl.exp(b_Gt)
-        # x_s . q_t for s <= t: [BT, 16]
-        b_At = tl.where(r_s[:, None] <= r_t[None, :], tl.dot(b_x, b_qT), 0.)
-        b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
-        span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_Gt, 0.), 1), 0)
-        if span <= DIAG_SPAN:
-            m_in = m_vs & (r_s < f + 16)[None, :]
-            b_Gr = b_Gf
-        else:
-            # rows s < f: G at the row before f (a = 0 has none: the load is masked, m_in empty)
-            m_in = m_vs & (r_s < f)[None, :]
-            b_Gr = tl.load(G + ((bos + f - 1) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) > i_t * BT),
-                           other=0)
-        b_in = tl.where(m_in, b_us * tl.exp(tl.where(m_in, b_Gr[:, None] - b_Gs, 0.)), 0.)
-        b_o += tl.where(m_vt, tl.dot(b_in.to(dt), b_At.to(dt)) * tl.exp(tl.where(m_vt, b_Gt - b_Gr[:, None], 0.)), 0.)
-        if span > DIAG_SPAN:
-            b_o = _diag16_offsets(b_o, b_At, r_s, v, eta, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
-                                  m_v, HV, V, True)
+        b_o = tl.dot(b_hT, b_qT) * tl.exp(b_Gs)
+        b_At = tl.where(r_s[:, None] <= r_s[None, :], tl.dot(b_x, b_qT), 0.)
+        b_in = tl.where(m_vs, b_us * tl.exp(tl.where(m_vs, b_Gr[:, None] - b_Gs, 0.)), 0.)
+        b_o += tl.where(m_vs, tl.dot(b_in.to(dt), b_At.to(dt)) * tl.exp(tl.where(m_vs, b_Gs - b_Gr[:, None], 0.)), 0.)
         b_o = b_o * scale
-        tl.store(o + p_vt, b_o.to(o.dtype.element_ty), mask=m_vt)
+        tl.store(o + p_vs, b_o.to(o.dtype.element_ty), mask=m_vs)
         if SAVE_O32:
-            # the decay gradient's fp32 copy (dG = o * do - u * du), beside the output in its own dtype
-            tl.store(o32 + p_vt, b_o, mask=m_vt)
+            tl.store(o32 + p_vs, b_o, mask=m_vs)
+    else:
+        for a in range(BT // 16):
+            f = i_t * BT + a * 16
+            r_t = f + o_c
+            m_t = r_t < T
+            m_vt = m_v[:, None] & m_t[None, :]
+            p_vt = ((bos + r_t) * HV + i_hv)[None, :] * V + o_v[:, None]
+            b_qT = tl.load(q + ((bos + r_t) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                           other=0)
+            b_Gt = tl.load(G + p_vt, mask=m_vt, other=0)
+            b_o = tl.dot(b_hT, b_qT) * tl.exp(b_Gt)
+            # x_s . q_t for s <= t: [BT, 16]
+            b_At = tl.where(r_s[:, None] <= r_t[None, :], tl.dot(b_x, b_qT), 0.)
+            b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
+            span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_Gt, 0.), 1), 0)
+            if span <= DIAG_SPAN:
+                m_in = m_vs & (r_s < f + 16)[None, :]
+                b_Gr = b_Gf
+            else:
+                # rows s < f: G at the row before f (a = 0 has none: the load is masked, m_in empty)
+                m_in = m_vs & (r_s < f)[None, :]
+                b_Gr = tl.load(G + ((bos + f - 1) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) > i_t * BT),
+                               other=0)
+            b_in = tl.where(m_in, b_us * tl.exp(tl.where(m_in, b_Gr[:, None] - b_Gs, 0.)), 0.)
+            b_o += tl.where(m_vt, tl.dot(b_in.to(dt), b_At.to(dt))
+                            * tl.exp(tl.where(m_vt, b_Gt - b_Gr[:, None], 0.)), 0.)
+            if span > DIAG_SPAN:
+                b_o = _diag16_offsets(b_o, b_At, r_s, v, eta, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
+                                      m_v, HV, V, True)
+            b_o = b_o * scale
+            tl.store(o + p_vt, b_o.to(o.dtype.element_ty), mask=m_vt)
+            if SAVE_O32:
+                # the decay gradient's fp32 copy (dG = o * do - u * du), beside the output in its own dtype
+                tl.store(o32 + p_vt, b_o, mask=m_vt)
 
 
 @autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
@@ -1384,30 +1405,41 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     p_vt = ((bos + r_t) * HV + i_hv)[None, :] * V + o_v[:, None]
     b_Gt = tl.load(G + p_vt, mask=m_vt, other=0)
     b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
-    for b in range(BT // 16):
-        f = i_t * BT + b * 16
-        r_s = f + o_c
-        m_s = r_s < T
-        m_vs = m_v[:, None] & m_s[None, :]
-        p_vs = ((bos + r_s) * HV + i_hv)[None, :] * V + o_v[:, None]
-        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, r_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
-        b_Gs = tl.load(G + p_vs, mask=m_vs, other=0)
-        # q_t . x_s for t >= s: [BT, 16]
-        b_A = tl.where(r_t[:, None] >= r_s[None, :], tl.dot(b_q, tl.trans(b_x)), 0.)
-        # G at b's last real row (none when b is past the sequence's end: every mask below is then empty)
-        b_Gl = tl.load(G + ((bos + min(f + 15, last)) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) <= last),
-                       other=0)
-        span = tl.max(tl.max(tl.where(m_vs, b_Gs - b_Gl[:, None], 0.), 1), 0)
-        if span <= DIAG_SPAN:
-            m_in = m_vt & (r_t >= f)[None, :]
-        else:
-            m_in = m_vt & (r_t >= f + 16)[None, :]
-        b_in = tl.where(m_in, b_doT * tl.exp(tl.where(m_in, b_Gt - b_Gl[:, None], 0.)), 0.)
-        b_du = tl.where(m_vs, tl.dot(b_in.to(dt), b_A.to(dt)) * tl.exp(tl.where(m_vs, b_Gl[:, None] - b_Gs, 0.)), 0.)
-        if span > DIAG_SPAN:
-            b_du = _diag16_offsets(b_du, b_A, r_t, do, do, G, b_Gs, bos, f, i_hv, T, r_s, m_vs, o_v,
-                                   m_v, HV, V, False)
-        tl.store(du + p_vs, b_du * scale, mask=m_vs)
+    # the whole chunk at once when its decay spans at most CHUNK_SPAN, factored at its last row l
+    b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+    span_c = tl.max(tl.max(tl.where(m_vt, b_Gt - b_Gl[:, None], 0.), 1), 0)
+    if span_c <= CHUNK_SPAN:
+        b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, r_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
+        b_A = tl.where(r_t[:, None] >= r_t[None, :], tl.dot(b_q, tl.trans(b_x)), 0.)   # [t, s]
+        b_in = tl.where(m_vt, b_doT * tl.exp(tl.where(m_vt, b_Gt - b_Gl[:, None], 0.)), 0.)
+        b_du = tl.where(m_vt, tl.dot(b_in.to(dt), b_A.to(dt)) * tl.exp(tl.where(m_vt, b_Gl[:, None] - b_Gt, 0.)), 0.)
+        tl.store(du + p_vt, b_du * scale, mask=m_vt)
+    else:
+        for b in range(BT // 16):
+            f = i_t * BT + b * 16
+            r_s = f + o_c
+            m_s = r_s < T
+            m_vs = m_v[:, None] & m_s[None, :]
+            p_vs = ((bos + r_s) * HV + i_hv)[None, :] * V + o_v[:, None]
+            b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, r_s, m_s, H, K, BK, SHIFT, USE_INITIAL_STATE)
+            b_Gs = tl.load(G + p_vs, mask=m_vs, other=0)
+            # q_t . x_s for t >= s: [BT, 16]
+            b_A = tl.where(r_t[:, None] >= r_s[None, :], tl.dot(b_q, tl.trans(b_x)), 0.)
+            # G at b's last real row (none when b is past the sequence's end: every mask below is then empty)
+            b_Gl = tl.load(G + ((bos + min(f + 15, last)) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) <= last),
+                           other=0)
+            span = tl.max(tl.max(tl.where(m_vs, b_Gs - b_Gl[:, None], 0.), 1), 0)
+            if span <= DIAG_SPAN:
+                m_in = m_vt & (r_t >= f)[None, :]
+            else:
+                m_in = m_vt & (r_t >= f + 16)[None, :]
+            b_in = tl.where(m_in, b_doT * tl.exp(tl.where(m_in, b_Gt - b_Gl[:, None], 0.)), 0.)
+            b_du = tl.where(m_vs, tl.dot(b_in.to(dt), b_A.to(dt))
+                            * tl.exp(tl.where(m_vs, b_Gl[:, None] - b_Gs, 0.)), 0.)
+            if span > DIAG_SPAN:
+                b_du = _diag16_offsets(b_du, b_A, r_t, do, do, G, b_Gs, bos, f, i_hv, T, r_s, m_vs, o_v,
+                                       m_v, HV, V, False)
+            tl.store(du + p_vs, b_du * scale, mask=m_vs)
 
 
 @autotune(CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
@@ -1523,70 +1555,110 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    for a in range(BT // 16):
-        f = i_t * BT + a * 16
-        r_a = f + o_c
-        m_a = r_a < T
-        b_dsT = tl.zeros([BT, 16], dtype=tl.float32)
-        b_dmT = tl.zeros([BT, 16], dtype=tl.float32)
+    # the whole chunk at once when its decay spans at most CHUNK_SPAN in every column, factored at its first row r
+    # (falcon2: with Gx at the first row, 0, in the span)
+    last = min(i_t * BT + BT, T) - 1
+    span_c = 0.
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_G0 = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_GL = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        span_c = tl.maximum(span_c, tl.max(b_G0 - b_GL, 0))
+        if DELTA:
+            span_c = tl.maximum(span_c, tl.max(-b_G0, 0))
+    if span_c <= CHUNK_SPAN:
+        b_dsT = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dmT = tl.zeros([BT, BT], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            # the chunk's rows s [BT, BV]; a's rows t transposed [BV, 16]
+            # the chunk's rows s [BT, BV] and rows t transposed [BV, BT]
             m_sv = m_t[:, None] & m_v[None, :]
             p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
             b_G = tl.load(G + p_sv, mask=m_sv, other=0)
             b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
-            m_vt = m_v[:, None] & m_a[None, :]
-            p_vt = ((bos + r_a) * HV + i_hv)[None, :] * V + o_v[:, None]
-            b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
-            b_GtT = tl.load(G + p_vt, mask=m_vt, other=0)
-            b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
-            span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_GtT, 0.), 1), 0)
-            if DELTA:
-                b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
-                # Gx_t = G_{t-1} (0 before the chunk's first row: G is the chunk-local cumsum)
-                b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (r_a > i_t * BT)[None, :], other=0)
-                span = tl.maximum(span, tl.max(tl.max(tl.where(m_vt, b_GxT - b_Gf[:, None], 0.), 1), 0))
-            if span <= DIAG_SPAN:
-                m_in = m_sv & (o_t < f + 16)[:, None]
-                b_Gr = b_Gf
-            else:
-                # rows s < f only, factored at the row before f (a = 0 has none)
-                m_in = m_sv & (o_t < f)[:, None]
-                b_Gr = tl.load(G + ((bos + f - 1) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) > i_t * BT),
-                               other=0)
-            b_ur = tl.where(m_in, b_u * tl.exp(tl.where(m_in, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
-            b_dor = tl.where(m_vt, b_doT * tl.exp(tl.where(m_vt, b_GtT - b_Gr[:, None], 0.)), 0.)
+            m_vt = m_v[:, None] & m_t[None, :]
+            p_vt = ((bos + o_t) * HV + i_hv)[None, :] * V + o_v[:, None]
+            b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+            b_ur = tl.where(m_sv, b_u * tl.exp(tl.where(m_sv, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
+            b_dor = tl.where(m_vt, tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
+                             * tl.exp(tl.where(m_vt, tl.load(G + p_vt, mask=m_vt, other=0) - b_Gr[:, None], 0.)), 0.)
             b_dsT += tl.dot(b_ur, b_dor.to(dt))
             if DELTA:
+                b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
+                b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (o_t > i_t * BT)[None, :], other=0)
                 b_ar = tl.where(m_vt, b_aT * tl.exp(tl.where(m_vt, b_GxT - b_Gr[:, None], 0.)), 0.)
                 b_dmT += tl.dot(b_ur, b_ar.to(dt))
-            if span > DIAG_SPAN:
-                # a's diagonal block one row s = f + d at a time, elementwise in fp32
-                for d in range(16):
-                    r_d = f + d
-                    p_d = ((bos + r_d) * HV + i_hv) * V + o_v
-                    m_d1 = m_v & ((r_d + o_v * 0) < T)
-                    b_Gd = tl.load(G + p_d, mask=m_d1, other=0)
-                    b_ud = (tl.load(eta + p_d, mask=m_d1, other=0)
-                            * tl.load(val + p_d, mask=m_d1, other=0).to(tl.float32))
-                    m_dt = m_vt & ((r_a >= r_d) & ((r_d + o_c * 0) < T))[None, :]
-                    b_sum = tl.sum(tl.where(m_dt, b_doT * b_ud[:, None]
-                                            * tl.exp(tl.where(m_dt, b_GtT - b_Gd[:, None], 0.)), 0.), 0)
-                    # a float factor: a bool mask must not be converted into the dot accumulator's layout
-                    b_row = (o_t == r_d).to(tl.float32)
-                    b_dsT += b_row[:, None] * b_sum[None, :]
-                    if DELTA:
-                        m_dd = m_vt & ((r_a > r_d) & ((r_d + o_c * 0) < T))[None, :]
-                        b_sum2 = tl.sum(tl.where(m_dd, b_aT * b_ud[:, None]
-                                                 * tl.exp(tl.where(m_dd, b_GxT - b_Gd[:, None], 0.)), 0.), 0)
-                        b_dmT += b_row[:, None] * b_sum2[None, :]
-        # ds[t, s] for t in a, s <= t (dM: s < t), into the scratch rows of a
-        p_aT = ((bos + r_a) * HV + i_hv)[None, :] * BT + o_s[:, None]
-        tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= r_a[None, :], b_dsT, 0.) * scale, mask=m_a[None, :])
+        p_aT = ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None]
+        tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= o_t[None, :], b_dsT, 0.) * scale, mask=m_t[None, :])
         if DELTA:
-            tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < r_a[None, :], b_dmT, 0.), mask=m_a[None, :])
+            tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < o_t[None, :], b_dmT, 0.), mask=m_t[None, :])
+    else:
+        for a in range(BT // 16):
+            f = i_t * BT + a * 16
+            r_a = f + o_c
+            m_a = r_a < T
+            b_dsT = tl.zeros([BT, 16], dtype=tl.float32)
+            b_dmT = tl.zeros([BT, 16], dtype=tl.float32)
+            for i_v in range(tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_v = o_v < V
+                # the chunk's rows s [BT, BV]; a's rows t transposed [BV, 16]
+                m_sv = m_t[:, None] & m_v[None, :]
+                p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+                b_G = tl.load(G + p_sv, mask=m_sv, other=0)
+                b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
+                m_vt = m_v[:, None] & m_a[None, :]
+                p_vt = ((bos + r_a) * HV + i_hv)[None, :] * V + o_v[:, None]
+                b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
+                b_GtT = tl.load(G + p_vt, mask=m_vt, other=0)
+                b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
+                span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_GtT, 0.), 1), 0)
+                if DELTA:
+                    b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
+                    # Gx_t = G_{t-1} (0 before the chunk's first row: G is the chunk-local cumsum)
+                    b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (r_a > i_t * BT)[None, :], other=0)
+                    span = tl.maximum(span, tl.max(tl.max(tl.where(m_vt, b_GxT - b_Gf[:, None], 0.), 1), 0))
+                if span <= DIAG_SPAN:
+                    m_in = m_sv & (o_t < f + 16)[:, None]
+                    b_Gr = b_Gf
+                else:
+                    # rows s < f only, factored at the row before f (a = 0 has none)
+                    m_in = m_sv & (o_t < f)[:, None]
+                    b_Gr = tl.load(G + ((bos + f - 1) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) > i_t * BT),
+                                   other=0)
+                b_ur = tl.where(m_in, b_u * tl.exp(tl.where(m_in, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
+                b_dor = tl.where(m_vt, b_doT * tl.exp(tl.where(m_vt, b_GtT - b_Gr[:, None], 0.)), 0.)
+                b_dsT += tl.dot(b_ur, b_dor.to(dt))
+                if DELTA:
+                    b_ar = tl.where(m_vt, b_aT * tl.exp(tl.where(m_vt, b_GxT - b_Gr[:, None], 0.)), 0.)
+                    b_dmT += tl.dot(b_ur, b_ar.to(dt))
+                if span > DIAG_SPAN:
+                    # a's diagonal block one row s = f + d at a time, elementwise in fp32
+                    for d in range(16):
+                        r_d = f + d
+                        p_d = ((bos + r_d) * HV + i_hv) * V + o_v
+                        m_d1 = m_v & ((r_d + o_v * 0) < T)
+                        b_Gd = tl.load(G + p_d, mask=m_d1, other=0)
+                        b_ud = (tl.load(eta + p_d, mask=m_d1, other=0)
+                                * tl.load(val + p_d, mask=m_d1, other=0).to(tl.float32))
+                        m_dt = m_vt & ((r_a >= r_d) & ((r_d + o_c * 0) < T))[None, :]
+                        b_sum = tl.sum(tl.where(m_dt, b_doT * b_ud[:, None]
+                                                * tl.exp(tl.where(m_dt, b_GtT - b_Gd[:, None], 0.)), 0.), 0)
+                        # a float factor: a bool mask must not be converted into the dot accumulator's layout
+                        b_row = (o_t == r_d).to(tl.float32)
+                        b_dsT += b_row[:, None] * b_sum[None, :]
+                        if DELTA:
+                            m_dd = m_vt & ((r_a > r_d) & ((r_d + o_c * 0) < T))[None, :]
+                            b_sum2 = tl.sum(tl.where(m_dd, b_aT * b_ud[:, None]
+                                                     * tl.exp(tl.where(m_dd, b_GxT - b_Gd[:, None], 0.)), 0.), 0)
+                            b_dmT += b_row[:, None] * b_sum2[None, :]
+            # ds[t, s] for t in a, s <= t (dM: s < t), into the scratch rows of a
+            p_aT = ((bos + r_a) * HV + i_hv)[None, :] * BT + o_s[:, None]
+            tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= r_a[None, :], b_dsT, 0.) * scale, mask=m_a[None, :])
+            if DELTA:
+                tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < r_a[None, :], b_dmT, 0.), mask=m_a[None, :])
     # ds^T (and dM^T) read back transposed from the scratch (tl.trans of a dot result fed into tl.dot
     # miscompiles on Hopper)
     tl.debug_barrier()
