@@ -1302,7 +1302,8 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
     output kernel takes 131). For each a, one product over all s <= t factored at a's first row f:
     exp(G_t - G_f) <= 1 outside, exp(G_f - G_s) <= 1 for s < f and <= e^DIAG_SPAN inside a when the decay there
     spans at most DIAG_SPAN; else the earlier rows factored at the row before f (both factors <= 1) and the
-    diagonal block one offset at a time."""
+    diagonal block one offset at a time. A chunk whose decay spans at most CHUNK_SPAN takes one [BV, BT] tile for all
+    its rows instead, factored at its first row."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1385,7 +1386,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     tile per 16-row sub-chunk b of rows s, one product over all t >= s factored at b's last row l
     (exp(G_l - G_s) <= 1 outside, exp(G_t - G_l) <= 1 for t > l and <= e^DIAG_SPAN inside b when the decay there
     spans at most DIAG_SPAN; else only the rows after b in the product and the diagonal block one offset at a
-    time)."""
+    time). A chunk whose decay spans at most CHUNK_SPAN takes one [BV, BT] tile, factored at its last row."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1539,7 +1540,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
     - the intra-chunk products ds_ts = sum_v do_t u_s exp(G_t - G_s) (falcon2: and the Gram path
       dM[t, j] = -sum_v a_t u_j exp(Gx_t - G_j)), built transposed, [BT, 16] per 16-row sub-chunk a of rows t
       (64-row products: Hopper's wgmma), one product over all s <= t factored at a's first row as in
-      _fwd_o_col, into ds_buf, from which the dq and dx products read them back in both orientations;
+      _fwd_o_col (a chunk whose decay spans at most CHUNK_SPAN: one [BT, BT] product per value block, factored at
+      its first row), into ds_buf, from which the dq and dx products read them back in both orientations;
     - the chunk-start state's paths: dq += exp(G) do h^T (scaled), dx += exp(G_C - G) u dh^T (falcon2: minus the
       X S0 path of the right-hand side, a exp(Gx) h^T with a = eta drhs);
     - the energy path 2 dden x and dlam, from _bwd_col_gates' per-row shares of d(lam') and d(den) (rowp).
