@@ -130,8 +130,8 @@ def install(arch: int) -> None:
     JITFunction.run = run
 
     def autotune_run(self, *args, **kwargs):
-        # every config the launch would try compiles (after the autotuner's pruning: the narrow heads' 4-warp
-        # configs, see fla_falcon.ops.falcon.utils.prune_narrow_heads); nothing is timed
+        # every config the launch would try compiles (after the autotuner's pruning, where a kernel has one);
+        # nothing is timed
         self.nargs = dict(zip(self.arg_names, args))
         for config in self.prune_configs(kwargs):
             full = {**kwargs, **config.all_kwargs()}

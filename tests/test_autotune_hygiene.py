@@ -19,7 +19,6 @@ import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
 import fla_falcon.ops
-from fla_falcon.ops.falcon.utils import narrow_head_configs, narrow_warps, prune_narrow_heads
 
 
 def _autotuned_kernels():
@@ -62,37 +61,3 @@ def test_atomic_outputs_reset_between_timed_runs(name):
     kernel = KERNELS[name]
     missing = _atomic_targets(kernel) - set(kernel.reset_to_zero) - set(kernel.restore_value)
     assert not missing, f"{name}: autotuned, adds atomically into {sorted(missing)} without reset_to_zero/restore_value"
-
-
-@pytest.mark.parametrize('name', sorted(n for n in KERNELS if '.falcon.chunk' in n))
-def test_chunk_kernels_prune_narrow_heads(name):
-    # every chunk kernel goes through fla_falcon.ops.falcon.utils.autotune: 8-warp configs gave illegal memory accesses
-    # and wrong gradients at K = V = 16 and 32 on the H200 (nineteenth lease)
-    assert KERNELS[name].early_config_prune is prune_narrow_heads, name
-
-
-def test_prune_narrow_heads():
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
-    assert prune_narrow_heads(configs, {}, K=128, V=64) == configs
-    assert prune_narrow_heads(configs, {}, K=64) == configs
-    assert [(c.num_warps, c.num_stages) for c in prune_narrow_heads(configs, {}, K=128, V=32)] == [(4, 2), (4, 3)]
-    assert [(c.num_warps, c.num_stages) for c in prune_narrow_heads(configs, {}, K=16)] == [(4, 2), (4, 3)]
-    # a list of 8-warp configs only (the heavy per-chunk kernels): its first config at 4 warps, its meta kept
-    only8 = [triton.Config({'BV': 32}, num_warps=8, num_stages=3)]
-    (c,) = prune_narrow_heads(only8, {}, K=32, V=32)
-    assert (c.num_warps, c.num_stages, c.kwargs) == (4, 3, {'BV': 32})
-    assert narrow_warps(16, 128, 8) == 4 and narrow_warps(64, 64, 8) == 8
-
-
-def test_narrow_head_configs_single_config():
-    # Triton's autotuner calls early_config_prune only for lists of two or more configs: a kernel with one 8-warp
-    # config (falcon3's _bwd_dqx3) gets its 4-warp copy in the list, used at narrow heads only
-    (c8,) = [triton.Config({'BV': 64}, num_warps=8, num_stages=2)]
-    configs = narrow_head_configs([c8])
-    assert len(configs) == 2 and configs[0] is c8
-    assert prune_narrow_heads(configs, {}, K=128, V=128) == [c8]
-    (c4,) = prune_narrow_heads(configs, {}, K=128, V=32)
-    assert (c4.num_warps, c4.num_stages, c4.kwargs) == (4, 2, {'BV': 64})
-    # a list with a config of at most 4 warps is kept as it is
-    mixed = [triton.Config({}, num_warps=w) for w in (4, 8)]
-    assert narrow_head_configs(mixed) == mixed

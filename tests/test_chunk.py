@@ -295,9 +295,8 @@ def test_gpu_bf16_heads128_varlen(rule, device):
 @pytest.mark.parametrize('K', [16, 32])
 @pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_gpu_small_heads(rule, K, dtype, device):
-    # K = V = 16, 32: one value block as narrow as the head (BV = V). On the H200 a config sweep of falcon3a's
-    # _bwd_dv_local with 32-wide value blocks (4 warps, K = V = 128) hit an illegal memory access (eighteenth lease),
-    # where the 64-wide blocks it runs there were fine; these heads take that width in every value-blocked kernel
+    # K = V = 16, 32: the heads run on 64-wide blocks masked past the head (chunk.MIN_BLOCK). With blocks as narrow
+    # as the head, bf16 went wrong on the H200 in several kernels (illegal memory accesses, NaN, a wrong dk)
     cu = torch.tensor([0, 100, 611, 1000], device=device)
     inputs = make_inputs(rule, 1, 1000, 2, 2, K, K, 'on', True, device, cu_seqlens=cu, window=win(rule))
     check(run_both(rule, *inputs, dtype, cu_seqlens=cu, window=win(rule)), dtype)
@@ -446,3 +445,13 @@ def test_gpu_deterministic(rule, window, device):
     differ = {name: (i, (a.float() - b.float()).abs().max().item()) for i, run in enumerate(runs[1:], 1)
               for name, a, b in zip(names, runs[0], run) if not torch.equal(a, b)}
     assert not differ, f"{rule}: (run, max difference) against run 0: {differ}"
+
+
+def test_narrow_heads_take_64_wide_blocks():
+    """Heads narrower than 64 run on 64-wide key / value blocks (chunk.MIN_BLOCK): the compiled tiles of K = V = 64,
+    which the GPU tests cover; blocks as narrow as the head went wrong in bf16 on the H200 (see MIN_BLOCK)."""
+    from fla_falcon.ops.falcon.chunk import _meta
+    for (K, V), want in {(16, 16): (64, 64), (32, 48): (64, 64), (100, 80): (128, 64), (128, 128): (128, 64),
+                         (256, 32): (256, 64)}.items():
+        m = _meta(torch.empty(1, 8, 1, K), torch.empty(1, 8, 1, V), 64, None)
+        assert (m['BK'], m['BV']) == want, (K, V)

@@ -69,8 +69,6 @@ from fla_falcon.ops.falcon.utils import (
     DEFAULT_EPS,
     DEFAULT_EPS_GAMMA,
     FalconState,
-    autotune,
-    narrow_warps,
     rule_info,
     validate_falcon_inputs,
 )
@@ -425,7 +423,7 @@ def _band_w(wm, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_s, WIN: tl.constexpr, T
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
 @triton.jit
 def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
@@ -583,8 +581,8 @@ def _wy_store(A, b_blk, bos, i_hv, r0, c0, T, HV: tl.constexpr, BT: tl.constexpr
              mask=((r0 + o_i) < T)[:, None] & (o_i >= 0)[None, :])
 
 
-@autotune([triton.Config({}, num_warps=w) for w in (1, 2, 4)],
-          key=['H', 'HV', 'K', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (1, 2, 4)],
+                 key=['H', 'HV', 'K', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offsets, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -637,7 +635,7 @@ def _wy_solve(k, last_k, count, G, eta, A, cu_seqlens, chunk_indices, chunk_offs
         _wy_store(A, b_Ai33, bos, i_hv, t0 + 48, 48, T, HV, BT)
 
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -670,7 +668,7 @@ def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chun
         tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_tv)
 
 
-@autotune(CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
            cu_seqlens, chunk_offsets, T,
@@ -737,7 +735,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
            cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -799,7 +797,7 @@ def _fwd_o(q, k, v, last_k, count, tail_x, tail_v, G, eta, vn, h, wm, o, scale,
 # backward kernels
 # ----------------------------------------------------------------------------------------------
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'BAND', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -849,8 +847,8 @@ def _bwd_dv_local(q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale,
         tl.store(dvb + p_tv, b_dvb, mask=m_tv)
 
 
-@autotune(CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
-          restore_value=['du'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'IS_VARLEN'],
+                 restore_value=['du'])
 @triton.jit
 def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
              cu_seqlens, chunk_offsets, T,
@@ -937,7 +935,8 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, 
     return b_dxs, b_deta
 
 
-@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
+                                          'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
              dtail_v, dxt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
@@ -1147,7 +1146,7 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
                           i_hv, bos, o_t, m_t, T, HV, K, BK, SHIFT, HAS_LAM, LAM_COUPLED, USE_INITIAL_STATE)
 
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_gates(k, v, beta, lam, last_k, count, G, A, dP, dx, dG, dw, du, dv, dk, dlast_k, dbeta, dlam,
                eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1287,8 +1286,8 @@ def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m
     return b_acc
 
 
-@autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
-          key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1374,8 +1373,8 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
                 tl.store(o32 + p_vt, b_o, mask=m_vt)
 
 
-@autotune([triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
-          key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
                       cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1443,7 +1442,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
             tl.store(du + p_vs, b_du * scale, mask=m_vs)
 
 
-@autotune(CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1526,8 +1525,8 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
 
 
 # 8 warps: with 4, ptxas spills 192-320 B at K = V = 128 (scripts/aot_check.py, sm_90a)
-@autotune([triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
-          key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, NTOK, ds_buf, dm_buf,
                  dq, dk, dlast_k, dlam, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1809,7 +1808,7 @@ def _band_dx(q, b_cx, i_h, bos, o_t, m_t, o_k, o_d, H: tl.constexpr, K: tl.const
 
 
 # (4 warps spilled 96-800 B per thread at K = V = 128, aot_check sm_90; 8 warps none)
-@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_band(q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb, dMb, scale,
                   cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1900,8 +1899,8 @@ def _win_bwd_final(q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, 
     tl.store(fm + i_nh * 16 + o_j, b_fm)
 
 
-@autotune([triton.Config({}, num_warps=w) for w in (2, 4)],
-          key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)],
+                 key=['HV', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_gates(beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -1976,8 +1975,8 @@ def _win_pair_grads(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dv_out, r_dv
     return b_dx, valid_p
 
 
-@autotune([triton.Config({}, num_warps=w) for w in (4, 8)],
-          key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)],
+                 key=['H', 'HV', 'K', 'V', 'BT', 'WIN', 'IS_VARLEN'])
 @triton.jit
 def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dk, dv, dlast_k, dtail_x, dtail_v,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -2029,6 +2028,15 @@ def _state_key_block(BK, NHV, V, delta):
     return bk
 
 
+# Narrow heads (K or V < 64) get 64-wide key and value blocks, masked past the head: the tiles, and so the compiled
+# matmuls, of K = V = 64, which the GPU tests cover in fp32 and bf16. With blocks as narrow as the head, bf16 K = V =
+# 16 / 32 went wrong on the H200 (Triton 3.6) in several kernels and configs: illegal memory accesses in falcon3a's
+# _fwd_o (8 warps, BK = BV = 16), falcon1's _bwd_gates (4 warps, 16) and falcon3's _bwd_gates3 (4 warps, 32), NaN
+# gradients of falcon3a at 32 (8 warps) and falcon1's dk 27% off at 32 (nineteenth and twentieth leases,
+# scripts/locate_fault.py); fp32 was right at every config. Limiting narrow heads to 4 warps did not help.
+MIN_BLOCK = 64
+
+
 def _meta(q, v, chunk_size, cu_seqlens):
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -2041,8 +2049,8 @@ def _meta(q, v, chunk_size, cu_seqlens):
         chunk_indices = chunk_offsets = None
         NT, N = triton.cdiv(T, BT), B
         NTH = B * NT
-    BK = max(triton.next_power_of_2(K), 16)
-    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    BK = max(triton.next_power_of_2(K), MIN_BLOCK)
+    BV = min(max(triton.next_power_of_2(V), MIN_BLOCK), 64)
     return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NT=NT, N=N, NTH=NTH,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
@@ -2203,7 +2211,7 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         # once per chunk, not once per 64 values (eighteenth lease, K = V = 128: 0.143 ms against 0.160 at BV = 64,
         # 4 warps; no spills at K = V = 128, bf16 or fp32, aot_check sm_90). The grid from the launch's BV, so that
         # benchmarks/sweep_configs.py can try other value blocks
-        bv = min(max(triton.next_power_of_2(V), 16), 128) if win > 1 and band == 0 and BK <= 128 else BV
+        bv = min(max(triton.next_power_of_2(V), MIN_BLOCK), 128) if win > 1 and band == 0 and BK <= 128 else BV
         _bwd_dv_local[lambda meta: (triton.cdiv(V, meta['BV']), NT, B * HV)](
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
             BAND=band, **dict(common, BV=bv))
@@ -2265,7 +2273,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     if win > 1:
         fx, fv, fm = torch.empty(N, HV, 16, K, **f32), torch.empty(N, HV, 16, V, **f32), torch.empty(N, HV, 16, **f32)
         _win_bwd_final[(N * HV,)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dht, fx, fv, fm, scale, cu, co, T,
-                                  WIN=win, HAS_FINAL=has_final, **common, num_warps=narrow_warps(K, V, 8))
+                                  WIN=win, HAS_FINAL=has_final, **common, num_warps=8)
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=q.device, dtype=kdt)
     dxd = torch.empty(B, T, HV, K, device=q.device, dtype=q.dtype)

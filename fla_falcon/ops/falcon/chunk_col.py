@@ -80,10 +80,9 @@ from fla_falcon.ops.falcon.chunk import (
     _seq_info,
     _seq_span,
 )
-from fla_falcon.ops.falcon.utils import autotune
 
 
-@autotune(CONFIGS, key=['H', 'K', 'BT', 'BS', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'K', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
@@ -179,7 +178,7 @@ CONFIGS_COL_H = [triton.Config({'BV': bv, 'UNROLL': u}, num_warps=w, num_stages=
                  for bv, w, u in ((64, 4, False), (32, 4, True), (16, 2, True), (16, 1, False))]
 
 
-@autotune(CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
                      cu_seqlens, chunk_offsets, T,
@@ -237,7 +236,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@autotune(CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale,
                        cu_seqlens, chunk_offsets, T,

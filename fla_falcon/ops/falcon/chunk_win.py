@@ -52,7 +52,6 @@ from fla_falcon.ops.falcon.chunk import (
     _wy_lower2,
 )
 from fla_falcon.ops.falcon.fused_recurrent import NSQ, falcon_window_energy_kernel
-from fla_falcon.ops.falcon.utils import autotune
 
 VR = 64   # virtual rows per chunk
 
@@ -100,7 +99,7 @@ def _vstore(A, b_blk, vbase, i_hv, r0, c0, HV: tl.constexpr):
     tl.store(A + ((vbase + r0 + o_i) * HV + i_hv)[:, None] * 64 + (c0 + o_i)[None, :], b_blk)
 
 
-@autotune([triton.Config({}, num_warps=w) for w in (2, 4)], key=['H', 'HV', 'K', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)], key=['H', 'HV', 'K', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _wy_solve3(k, last_k, count, tail_x, G, c, A, cu_seqlens, chunk_indices, chunk_offsets, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
@@ -146,7 +145,7 @@ def _wy_solve3(k, last_k, count, tail_x, G, c, A, cu_seqlens, chunk_indices, chu
     _vstore(A, b_Ai33, vbase, i_hv, 48, 48, HV)
 
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _wy_wu3(k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, chunk_indices, chunk_offsets, T,
             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -173,7 +172,7 @@ def _wy_wu3(k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, chu
                  mask=(o_v < V)[None, :])
 
 
-@autotune(CONFIGS_H, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h3(k, last_k, count, tail_x, G, Wt, U, h, h0, ht, vn, cu_seqlens, chunk_offsets, T,
             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -212,7 +211,7 @@ def _fwd_h3(k, last_k, count, tail_x, G, Wt, U, h, h0, ht, vn, cu_seqlens, chunk
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _fwd_o3(q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -332,7 +331,7 @@ def _row_steps(b_r, o_tr, o_ts):
     return tl.sum(tl.where(o_tr[None, :] == o_ts[:, None], b_r[None, :], 0.), 1)
 
 
-@autotune(CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dv_local3(q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -357,7 +356,7 @@ def _bwd_dv_local3(q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ch
     tl.store(du + ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :], b_du, mask=m_v[None, :])
 
 
-@autotune(CONFIGS_H2, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'], restore_value=['du'])
+@triton.autotune(configs=CONFIGS_H2, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'], restore_value=['du'])
 @triton.jit
 def _bwd_dhu3(q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, cu_seqlens, chunk_offsets, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -404,7 +403,7 @@ def _bwd_dhu3(q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, c
 
 
 # one config: its only loop is not pipelined (see below), so CONFIGS_8W's 2 and 3 stages compiled the same kernel twice
-@autotune([triton.Config({}, num_warps=8, num_stages=2)], key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=2)], key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
               cu_seqlens, chunk_indices, chunk_offsets, T,
@@ -471,7 +470,7 @@ def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw,
     tl.store(dG + (bos + o_tq) * HV + i_hv, b_dGq, mask=m_tq)
 
 
-@autotune(CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
 @triton.jit
 def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, dP, dx, dG, dw, du, dXr, dYr,
                 dbeta, dlam, eps, eps_gamma, cu_seqlens, chunk_indices, chunk_offsets, T,

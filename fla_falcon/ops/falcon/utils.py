@@ -12,7 +12,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import triton
 
 # rule -> (regression?, per-column gains?, windowed?)
 RULES = {
@@ -26,51 +25,6 @@ RULES = {
 
 DEFAULT_EPS = 1e-6
 DEFAULT_EPS_GAMMA = 1e-4
-
-# Heads narrower than this run the chunk kernels at 4 warps or fewer. At K = V = 16 and 32 in bf16, 8-warp configs gave
-# wrong results on the H200 (Triton 3.6; nineteenth lease, scripts/locate_fault.py): an illegal memory access in
-# falcon3a's _fwd_o at (8 warps, 2 stages, BK = BV = 16), NaN gradients of falcon3a at 32 (its _bwd_dqx autotunes
-# 8-warp configs only) and a dk 20% off for falcon1 at 16. The addition harness's stand-in for fla's dq/dk kernel
-# faulted the same way at 16-wide heads with 8 warps and not with 4 (sixteenth lease).
-NARROW_HEAD = 64
-
-
-def _four_warps(c):
-    """A 4-warp copy of config c, marked as one for narrow heads only."""
-    n = triton.Config(dict(c.kwargs), num_warps=4, num_stages=c.num_stages)
-    n.narrow_only = True
-    return n
-
-
-def prune_narrow_heads(configs, named_args, **kwargs):
-    """`early_config_prune` of every chunk kernel: at a head dimension (the launch's K or V) below NARROW_HEAD, only
-    the configs of at most 4 warps (the first config at 4 warps when the list has none); at wider heads the list less
-    the configs added for narrow heads (see narrow_head_configs)."""
-    dims = [kwargs[n] for n in ('K', 'V') if isinstance(kwargs.get(n), int)]
-    if not dims or min(dims) >= NARROW_HEAD:
-        return [c for c in configs if not getattr(c, 'narrow_only', False)]
-    return [c for c in configs if c.num_warps <= 4] or [_four_warps(configs[0])]
-
-
-def narrow_head_configs(configs):
-    """A kernel's config list with a 4-warp copy of its first config added, marked for narrow heads only, when it has
-    no config of at most 4 warps: Triton's autotuner skips early_config_prune for a list of one config, so the copy
-    must be in the list itself."""
-    if any(c.num_warps <= 4 for c in configs):
-        return list(configs)
-    return list(configs) + [_four_warps(configs[0])]
-
-
-def autotune(configs, key, **kwargs):
-    """`triton.autotune` with the narrow heads' pruning (see NARROW_HEAD); looked up at call time, so that the CPU
-    interpreter's one-config autotuning (fla_falcon._platform) applies."""
-    return triton.autotune(configs=narrow_head_configs(configs), key=key,
-                           prune_configs_by={'early_config_prune': prune_narrow_heads}, **kwargs)
-
-
-def narrow_warps(K: int, V: int, num_warps: int) -> int:
-    """The warps of a launch that is not autotuned: at most 4 for narrow heads (see NARROW_HEAD)."""
-    return min(num_warps, 4) if min(K, V) < NARROW_HEAD else num_warps
 
 
 def rule_info(rule: str) -> tuple[bool, bool, bool]:
