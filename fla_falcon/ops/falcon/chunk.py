@@ -1524,6 +1524,19 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
     tl.store(p_row + 1, b_dden, mask=m_t)
 
 
+@triton.jit
+def _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Value block i_v of a chunk's rows o_t: its columns and their mask, the rows' mask [BT, BV], G and the
+    written vectors u = eta * val (fp32)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_sv = m_t[:, None] & m_v[None, :]
+    p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+    b_G = tl.load(G + p_sv, mask=m_sv, other=0)
+    b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
+    return o_v, m_v, m_sv, b_G, b_u
+
+
 # 8 warps: with 4, ptxas spills 192-320 B at K = V = 128 (scripts/aot_check.py, sm_90a)
 @triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
@@ -1572,13 +1585,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
         b_dsT = tl.zeros([BT, BT], dtype=tl.float32)
         b_dmT = tl.zeros([BT, BT], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
             # the chunk's rows s [BT, BV] and rows t transposed [BV, BT]
-            m_sv = m_t[:, None] & m_v[None, :]
-            p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            b_G = tl.load(G + p_sv, mask=m_sv, other=0)
-            b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
+            o_v, m_v, m_sv, b_G, b_u = _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
             m_vt = m_v[:, None] & m_t[None, :]
             p_vt = ((bos + o_t) * HV + i_hv)[None, :] * V + o_v[:, None]
             b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
@@ -1603,13 +1611,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
             b_dsT = tl.zeros([BT, 16], dtype=tl.float32)
             b_dmT = tl.zeros([BT, 16], dtype=tl.float32)
             for i_v in range(tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_v = o_v < V
                 # the chunk's rows s [BT, BV]; a's rows t transposed [BV, 16]
-                m_sv = m_t[:, None] & m_v[None, :]
-                p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-                b_G = tl.load(G + p_sv, mask=m_sv, other=0)
-                b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
+                o_v, m_v, m_sv, b_G, b_u = _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
                 m_vt = m_v[:, None] & m_a[None, :]
                 p_vt = ((bos + r_a) * HV + i_hv)[None, :] * V + o_v[:, None]
                 b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
@@ -2050,7 +2053,7 @@ def _meta(q, v, chunk_size, cu_seqlens):
         NT, N = triton.cdiv(T, BT), B
         NTH = B * NT
     BK = max(triton.next_power_of_2(K), MIN_BLOCK)
-    BV = min(max(triton.next_power_of_2(V), MIN_BLOCK), 64)
+    BV = MIN_BLOCK   # value blocks: 64 wide at every V (the kernels loop over them)
     return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NT=NT, N=N, NTH=NTH,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
