@@ -248,25 +248,21 @@ def _eig2(a, b, c):
 
 
 @triton.jit
-def _eig4(g00, g01, g02, g03, g11, g12, g13, g22, g23, g33, NSQ: tl.constexpr):
-    """lambda_max and unit top eigenvector (u0..u3) of a symmetric 4x4 Gram given by its upper triangle,
-    as scalars (every thread holds the whole matrix: no cross-thread traffic), by squaring with an early
-    exit once the normalized power has converged (module docstring)."""
-    tr = g00 + g11 + g22 + g33
-    inv = 1.0 / tl.where(tr > 0, tr, 1.0)
-    a00, a01, a02, a03, a11 = g00 * inv, g01 * inv, g02 * inv, g03 * inv, g11 * inv
-    a12, a13, a22, a23, a33 = g12 * inv, g13 * inv, g22 * inv, g23 * inv, g33 * inv
-    delta = tr * 0 + 1.0
-    it = 0
-    while (delta > EIG_TOL) & (it < NSQ):
-        b00, b01, b02, b03, b11, b12, b13, b22, b23, b33 = _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33)
-        delta = tl.maximum(tl.maximum(tl.maximum(tl.abs(b00 - a00), tl.abs(b11 - a11)),
-                                      tl.maximum(tl.abs(b22 - a22), tl.abs(b33 - a33))),
-                           tl.maximum(tl.maximum(tl.abs(b01 - a01), tl.abs(b02 - a02)),
-                                      tl.maximum(tl.abs(b03 - a03), tl.abs(b12 - a12))))
-        delta = tl.maximum(delta, tl.maximum(tl.abs(b13 - a13), tl.abs(b23 - a23)))
-        a00, a01, a02, a03, a11, a12, a13, a22, a23, a33 = b00, b01, b02, b03, b11, b12, b13, b22, b23, b33
-        it += 1
+def _sq4_step(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33):
+    """One squaring (``_sq4``) and the largest change of an entry: the body of the eigen-iterations."""
+    b00, b01, b02, b03, b11, b12, b13, b22, b23, b33 = _sq4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33)
+    delta = tl.maximum(tl.maximum(tl.maximum(tl.abs(b00 - a00), tl.abs(b11 - a11)),
+                                  tl.maximum(tl.abs(b22 - a22), tl.abs(b33 - a33))),
+                       tl.maximum(tl.maximum(tl.abs(b01 - a01), tl.abs(b02 - a02)),
+                                  tl.maximum(tl.abs(b03 - a03), tl.abs(b12 - a12))))
+    delta = tl.maximum(delta, tl.maximum(tl.abs(b13 - a13), tl.abs(b23 - a23)))
+    return b00, b01, b02, b03, b11, b12, b13, b22, b23, b33, delta
+
+
+@triton.jit
+def _top4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33, g00, g01, g02, g03, g11, g12, g13, g22, g23, g33):
+    """lambda_max and unit top eigenvector (u0..u3) of the Gram g from its converged normalized power a
+    (elementwise: scalars or vectors alike)."""
     # the column of the converged projector with the largest diagonal is the top eigenvector
     u0, u1, u2, u3, best = a00, a01, a02, a03, a00
     pick = a11 > best
@@ -286,6 +282,40 @@ def _eig4(g00, g01, g02, g03, g11, g12, g13, g22, g23, g33, NSQ: tl.constexpr):
     lmax = (u0 * (g00 * u0 + g01 * u1 + g02 * u2 + g03 * u3) + u1 * (g01 * u0 + g11 * u1 + g12 * u2 + g13 * u3)
             + u2 * (g02 * u0 + g12 * u1 + g22 * u2 + g23 * u3) + u3 * (g03 * u0 + g13 * u1 + g23 * u2 + g33 * u3))
     return lmax, u0, u1, u2, u3
+
+
+@triton.jit
+def _eig4(g00, g01, g02, g03, g11, g12, g13, g22, g23, g33, NSQ: tl.constexpr, VEC: tl.constexpr = False):
+    """lambda_max and unit top eigenvector (u0..u3) of a symmetric 4x4 Gram given by its upper triangle, by
+    squaring with an early exit once the normalized power has converged (module docstring).
+
+    Scalars (every thread holds the whole matrix: no cross-thread traffic), or with VEC ``[n]`` vectors of n
+    independent Grams (lanes): the loop then runs while any lane is unconverged and freezes converged ones,
+    so that each lane goes through exactly the scalar version's operations (same squarings, same exit)."""
+    tr = g00 + g11 + g22 + g33
+    inv = 1.0 / tl.where(tr > 0, tr, 1.0)
+    a00, a01, a02, a03, a11 = g00 * inv, g01 * inv, g02 * inv, g03 * inv, g11 * inv
+    a12, a13, a22, a23, a33 = g12 * inv, g13 * inv, g22 * inv, g23 * inv, g33 * inv
+    delta = tr * 0 + 1.0
+    it = 0
+    if VEC:
+        # live lanes counted, not tl.max(delta): a NaN lane stops itself (as the scalar loop would), not the others
+        while (tl.max((delta > EIG_TOL).to(tl.int32), 0) > 0) & (it < NSQ):
+            b00, b01, b02, b03, b11, b12, b13, b22, b23, b33, d = _sq4_step(a00, a01, a02, a03, a11, a12, a13,
+                                                                             a22, a23, a33)
+            live = delta > EIG_TOL
+            a00, a01, a02, a03 = (tl.where(live, b00, a00), tl.where(live, b01, a01), tl.where(live, b02, a02),
+                                  tl.where(live, b03, a03))
+            a11, a12, a13 = tl.where(live, b11, a11), tl.where(live, b12, a12), tl.where(live, b13, a13)
+            a22, a23, a33 = tl.where(live, b22, a22), tl.where(live, b23, a23), tl.where(live, b33, a33)
+            delta = tl.where(live, d, delta)
+            it += 1
+    else:
+        while (delta > EIG_TOL) & (it < NSQ):
+            a00, a01, a02, a03, a11, a12, a13, a22, a23, a33, delta = _sq4_step(a00, a01, a02, a03, a11, a12, a13,
+                                                                                 a22, a23, a33)
+            it += 1
+    return _top4(a00, a01, a02, a03, a11, a12, a13, a22, a23, a33, g00, g01, g02, g03, g11, g12, g13, g22, g23, g33)
 
 
 @triton.jit
