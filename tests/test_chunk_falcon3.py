@@ -106,3 +106,52 @@ def test_gpu_forward_fp32_heads128(window):
         o_ref, fs_ref = naive_recurrent_falcon(*(t.double() for t in (q, k, v, beta, lam)), initial_state=st64, **kw)
     for name, ref, tri in (('o', o_ref, o), ('S', fs_ref.S, fs.S), ('tail_x', fs_ref.tail_x, fs.tail_x)):
         assert_close(name, ref.double(), tri.double(), base.RATIO[torch.float32])
+
+
+def _energies(window, shift, k, state, cu_seqlens, blocked):
+    from fla_falcon.ops.falcon.chunk_win import _win_meta, _window_energy
+    m, _, _, _ = _win_meta(k, k, window, None if state is None else state.S, cu_seqlens, shift)
+    lk, tx, cnt = (None, None, None) if state is None else (state.last_k, state.tail_x, state.count)
+    return _window_energy(k, lk, tx, cnt, window, shift, state is not None, cu_seqlens, m['chunk_indices'],
+                          m['chunk_offsets'], blocked=blocked)
+
+
+@pytest.mark.parametrize('window', [2, 3, 4])
+@pytest.mark.parametrize('shift', [True, False])
+@pytest.mark.parametrize('mode', ['fresh', 'state', 'varlen', 'bf16'])
+def test_window_energy_blocked(window, shift, mode):
+    """The token-blocked energy kernel (_win_energy, windows 2..4) gives the per-token kernel's E and Ue: the same
+    pairs (shift, carried last key and tails of every count 0..W, varlen with empty and length-1 sequences, bf16
+    keys with fp32 tails), the same eigen-iteration per lane. Lengths are not multiples of the block (64 / WP)."""
+    torch.manual_seed(window * 10 + shift)
+    H, K = 2, 24
+    cu = None
+    if mode == 'varlen':
+        cu = torch.tensor([0, 1, 20, 20, 57, 90, 91], device=DEVICE)
+        B, T, N = 1, 90 + 1, 6
+    else:
+        B, T = window + 1, 37
+        N = B
+    k = torch.randn(B, T, H, K, device=DEVICE)
+    # rows of different scales: Grams far from multiples of the identity (no ties of the top eigenvalues)
+    k = k * torch.rand(B, T, H, 1, device=DEVICE).mul(3).add(0.2)
+    if mode == 'bf16':
+        k = k.to(torch.bfloat16)
+    state = None
+    if mode != 'fresh':
+        count = torch.tensor([n % (window + 1) for n in range(N)], dtype=torch.int32, device=DEVICE)   # 0..W
+        state = FalconState(torch.zeros(N, H, K, K, device=DEVICE), torch.randn(N, H, K, device=DEVICE),
+                            torch.randn(N, H, window - 1, K, device=DEVICE), None, count)
+    E_ref, U_ref = _energies(window, shift, k, state, cu, blocked=False)
+    E, U = _energies(window, shift, k, state, cu, blocked=True)
+    n = B * T
+    # every step but the first of a fresh shifted sequence has pairs (a nonzero Gram): the comparison is not vacuous
+    assert (E_ref[:n] > 0).sum() >= (n - N) * H
+    if DEVICE == 'cpu':
+        # the interpreter sums a Gram entry in the same order in both kernels: bit for bit (a lane that squared once
+        # more or less than the scalar loop would differ in the last bits)
+        assert torch.equal(E[:n], E_ref[:n]) and torch.equal(U[:n], U_ref[:n])
+    else:
+        # compiled, the two kernels reduce over K in different orders: fp32 rounding
+        torch.testing.assert_close(E[:n], E_ref[:n], rtol=1e-5, atol=0)
+        torch.testing.assert_close(U[:n], U_ref[:n], rtol=0, atol=1e-5)

@@ -15,7 +15,8 @@ lower by step (its WP x WP diagonal blocks are zero). With ``G`` the in-chunk cu
     o_t = scale (exp(G_t) q_t^T S0 + sum_{r: t(r) <= t} exp(G_t - G_t(r)) (q_t . x_r) V'_r).
 
 Every exponent is ``G_a - G_b`` with b <= a (<= 0). The window energy ``lambda_max(X_t X_t^T) / B_t`` comes from
-``fused_recurrent``'s token-parallel kernel, the gates from falcon3a's ``_prep_fwd`` given those energies.
+``_win_energy`` (windows 2..4: a chunk of BS steps per program, the eigen-iteration vectorized over them) or
+``fused_recurrent``'s per-token kernel (windows 5..8), the gates from falcon3a's ``_prep_fwd`` given those energies.
 Virtual-row tensors (A, W, U, V') are stored chunk-major, ``[chunks * 64, HV, .]``.
 
 The backward is falcon1's on these rows (``_bwd_dv_local3``, ``_bwd_dhu3``, ``_bwd_dqx3``, ``_bwd_gates3``), then
@@ -51,9 +52,75 @@ from fla_falcon.ops.falcon.chunk import (
     _wy_lower1,
     _wy_lower2,
 )
-from fla_falcon.ops.falcon.fused_recurrent import NSQ, falcon_window_energy_kernel
+from fla_falcon.ops.falcon.fused_recurrent import NSQ, _eig2, _eig4, _load_pairs, _p_min, falcon_window_energy_kernel
 
 VR = 64   # virtual rows per chunk
+# _win_energy: a program takes a chunk's BS = 64 / WP steps (the chunk kernels' chunk indices), i.e. 64 window rows of
+# [BK] fp32 live at once, with 4 warps: 32-107 registers and no stack at K = 64 / 128, W = 2-4 (aot_check, Triton 3.6,
+# sm_90). 32 steps at W = 4 took 192 registers, 64 steps spilled
+ENERGY_WARPS = 4
+
+
+@triton.jit
+def _win_row(k, last_k, tail_x, bos, o_t, m_t, p_min, i_n, i_h, o_k, b: tl.constexpr, H: tl.constexpr,
+             K: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """Window row b of the steps o_t (pair t - W + 1 + b) as a [BT, BK] fp32 tile and its existence: the per-token
+    kernel's _load_pairs with one row index per lane (tails and last key in fp32, as that kernel reads them)."""
+    X, _, m = _load_pairs(k, k, last_k, tail_x, tail_x, bos, o_t, p_min, i_n, i_h, i_h, o_t * 0 + b, o_k,
+                          tl.arange(0, 16), m_t, H, H, K, 0, WIN, SHIFT, USE_INITIAL_STATE)   # V = 0: no values
+    return X, m.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=['T'])
+def _win_energy(k, last_k, tail_x, count, E, Ue, cu_seqlens, chunk_indices, chunk_offsets, T,
+                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
+                WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                NSQ: tl.constexpr):
+    """falcon_window_energy_kernel(STORE_U=True) for windows 2..4 on a block of BT steps of one key head: E_t and the
+    unit top eigenvector u ([tokens, H, WP], row b at slot WP - W + b, padding slots 0) of every step's window Gram.
+
+    The per-token kernel runs one 1-warp program per (token, head), about 1M tiny programs at (4, 4096, 16); here a
+    program loads the W window rows of BT steps as [BT, BK] tiles, each Gram entry is a [BT] vector and the 4x4
+    eigen-iteration runs on those lanes (_eig4's VEC form: each lane does the scalar version's operations). Windows
+    5..8 keep the per-token kernel (its [BW, BW] squaring)."""
+    i_n, i_t, bos, T, _ = _seq_info(tl.program_id(0), tl.program_id(1) // H, chunk_indices, cu_seqlens, chunk_offsets,
+                                    T, BT, IS_VARLEN)
+    i_h = tl.program_id(1) % H
+    bos = bos.to(tl.int64)   # token offsets times H * K
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    c_init = 0
+    if USE_INITIAL_STATE:
+        c_init = tl.minimum(tl.maximum(tl.load(count + i_n).to(tl.int32), 0), WIN)
+    p_min = _p_min(c_init, WIN, SHIFT)
+    x0, nb = _win_row(k, last_k, tail_x, bos, o_t, m_t, p_min, i_n, i_h, o_k, 0, H, K, WIN, SHIFT, USE_INITIAL_STATE)
+    x1, n1 = _win_row(k, last_k, tail_x, bos, o_t, m_t, p_min, i_n, i_h, o_k, 1, H, K, WIN, SHIFT, USE_INITIAL_STATE)
+    nb += n1
+    if WIN == 2:
+        lmax, u0, u1 = _eig2(tl.sum(x0 * x0, 1), tl.sum(x0 * x1, 1), tl.sum(x1 * x1, 1))
+    else:
+        x2, n2 = _win_row(k, last_k, tail_x, bos, o_t, m_t, p_min, i_n, i_h, o_k, 2, H, K, WIN, SHIFT,
+                          USE_INITIAL_STATE)
+        nb += n2
+        g03 = tl.zeros([BT], dtype=tl.float32)
+        g13, g23, g33 = g03, g03, g03
+        if WIN == 4:
+            x3, n3 = _win_row(k, last_k, tail_x, bos, o_t, m_t, p_min, i_n, i_h, o_k, 3, H, K, WIN, SHIFT,
+                              USE_INITIAL_STATE)
+            nb += n3
+            g03, g13, g23, g33 = tl.sum(x0 * x3, 1), tl.sum(x1 * x3, 1), tl.sum(x2 * x3, 1), tl.sum(x3 * x3, 1)
+        lmax, u0, u1, u2, u3 = _eig4(tl.sum(x0 * x0, 1), tl.sum(x0 * x1, 1), tl.sum(x0 * x2, 1), g03,
+                                     tl.sum(x1 * x1, 1), tl.sum(x1 * x2, 1), g13, tl.sum(x2 * x2, 1), g23, g33, NSQ,
+                                     VEC=True)
+    tl.store(E + (bos + o_t) * H + i_h, lmax / tl.maximum(nb, 1.0), mask=m_t)
+    o_s = tl.arange(0, WP)[None, :] - (WP - WIN)   # window row of each slot (< 0: padding)
+    b_u = tl.where(o_s == 0, u0[:, None], tl.where(o_s == 1, u1[:, None], 0.))
+    if WIN > 2:
+        b_u = tl.where(o_s == 2, u2[:, None], b_u)
+    if WIN > 3:
+        b_u = tl.where(o_s == 3, u3[:, None], b_u)
+    tl.store(Ue + ((bos + o_t) * H + i_h)[:, None] * WP + tl.arange(0, WP)[None, :], b_u, mask=m_t[:, None])
 
 
 @triton.jit
@@ -256,6 +323,40 @@ def _win_meta(q, v, window, S0, cu_seqlens, shift):
     return m, WP, BS, row_kw
 
 
+def _window_energy(k, last_k, tail_x, count, window, shift, use_init, cu_seqlens, chunk_indices, chunk_offsets,
+                   blocked=None):
+    """falcon3's window energies E ([tokens, H]) and top eigenvectors Ue ([tokens, H, WP]) from the keys: _win_energy
+    per chunk of BS steps (chunk_indices / chunk_offsets: _win_meta's) for windows 2..4, else (or with
+    blocked=False) fused_recurrent's per-token kernel."""
+    B, T, H, K = k.shape
+    WP = triton.next_power_of_2(window)
+    BS = VR // WP
+    varlen = cu_seqlens is not None
+    f32 = dict(device=k.device, dtype=torch.float32)
+    E = torch.empty(max(B * T, 1), H, **f32)
+    Ue = torch.empty(max(B * T, 1), H, WP, **f32)   # each window's top eigenvector, for the energy's gradient
+    if B * T == 0:
+        return E, Ue
+    if blocked is None:
+        blocked = window <= 4
+    if blocked:
+        NT = len(chunk_indices) if varlen else triton.cdiv(T, BS)
+        _win_energy[(NT, B * H)](
+            k, last_k, tail_x, count, E, Ue, cu_seqlens, chunk_indices, chunk_offsets, T, H=H, K=K,
+            BK=triton.next_power_of_2(K), BT=BS, WP=WP, WIN=window, SHIFT=shift, USE_INITIAL_STATE=use_init,
+            IS_VARLEN=varlen, NSQ=NSQ, num_warps=ENERGY_WARPS)
+    else:
+        seq_idx = None
+        if varlen:
+            seq_idx = torch.searchsorted(cu_seqlens, torch.arange(B * T, device=k.device, dtype=cu_seqlens.dtype),
+                                         right=True) - 1
+        falcon_window_energy_kernel[(B * T, H)](
+            k, last_k, tail_x, count, E, Ue, cu_seqlens, seq_idx, T, H=H, K=K, W=window,
+            BK=triton.next_power_of_2(K), BW=WP, SHIFT=shift, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, NSQ=NSQ,
+            STORE_U=True, num_warps=1)
+    return E, Ue
+
+
 def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
                       shift, output_final_state, cu_seqlens, window):
     """falcon3's chunk forward (window >= 2): (o, final S, saved tensors)."""
@@ -266,17 +367,7 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     f32 = dict(device=dev, dtype=torch.float32)
     use_init = S0 is not None
     varlen = cu_seqlens is not None
-    E = torch.empty(max(B * T, 1), H, **f32)
-    Ue = torch.empty(max(B * T, 1), H, WP, **f32)   # each window's top eigenvector, for the energy's gradient
-    if B * T > 0:
-        seq_idx = None
-        if varlen:
-            seq_idx = torch.searchsorted(cu_seqlens, torch.arange(B * T, device=dev, dtype=cu_seqlens.dtype),
-                                         right=True) - 1
-        falcon_window_energy_kernel[(B * T, H)](
-            k, last_k, tail_x, count, E, Ue, cu_seqlens, seq_idx, T, H=H, K=K, W=window,
-            BK=triton.next_power_of_2(K), BW=WP, SHIFT=shift, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, NSQ=NSQ,
-            STORE_U=True, num_warps=1)
+    E, Ue = _window_energy(k, last_k, tail_x, count, window, shift, use_init, cu_seqlens, ci, co)
     # per step: B_t, the gates from E, c = eta / B_t and G over the chunk's BS steps (falcon3a's prep kernel)
     G = torch.empty(B, T, HV, **f32)
     c = torch.empty(B, T, HV, **f32)

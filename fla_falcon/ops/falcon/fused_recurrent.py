@@ -31,6 +31,8 @@ missing pairs of a short window are zero rows, which leave lambda_max unchanged)
   top two eigenvalues tie to ~1e-4 relative, where the quotient is still within
   ``(l1 - l2) * leak^2`` of l1 (at a tie the gradient, ill-defined there, uses a vector of the top
   eigenspace).
+  The chunk path (chunk_win's ``_win_energy``) runs the same iteration on ``[BT]`` vectors of tokens
+  (``_eig4(..., VEC=True)``: each lane does exactly the scalar loop's operations).
 - ``W > 4``: the same squaring on ``[BW, BW]`` register tensors, 16 squarings.
 
 Backward (exact, checkpointed recomputation). The backward kernel first re-runs the forward from
