@@ -30,7 +30,8 @@ done
 extras_running() { for f in $L/extra*_started; do [ -f "$f" ] && [ ! -f "${f%_started}_done" ] && return 0; done; return 1; }
 end=$((SECONDS + S))
 while [ $SECONDS -lt $end ] && { ! grep -qE "^[0-9:]+ done$" <(tail -n 1 $L/stage 2>/dev/null) || extras_running; }; do
-    sleep 60
+    # at most until SECONDS are up (a whole minute's sleep past them cost a lease's last call all its results)
+    left=$((end - SECONDS)); sleep $((left < 60 ? left : 60))
     echo "--- $(date +%T) $(ls $L/paper/runs 2>/dev/null | grep -vc spec) runs done;" \
          "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader); $(tail -n 1 $L/stage 2>/dev/null)"
 done
