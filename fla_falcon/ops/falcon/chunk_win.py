@@ -163,7 +163,7 @@ def _vblock(b_xi, b_xj, b_Gxi, b_Gj, b_ci, o_ti, o_tj, T):
 @triton.jit
 def _vstore(A, b_blk, vbase, i_hv, r0, c0, HV: tl.constexpr):
     o_i = tl.arange(0, 16)
-    tl.store(A + ((vbase + r0 + o_i) * HV + i_hv)[:, None] * 64 + (c0 + o_i)[None, :], b_blk)
+    tl.store(A + ((vbase + r0 + o_i) * HV + i_hv)[:, None] * 64 + (c0 + o_i)[None, :], b_blk.to(A.dtype.element_ty))
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)], key=['H', 'HV', 'K', 'WP', 'IS_VARLEN'])
@@ -377,7 +377,8 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
         BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
     NV = m['NTH'] * VR
-    A = torch.empty(NV, HV, VR, **f32)
+    # A (I + P)^-1 in the inputs' dtype: _wy_wu3 and _bwd_gates3 only read it as a matmul operand in that dtype
+    A = torch.empty(NV, HV, VR, device=dev, dtype=k.dtype)
     _wy_solve3[(NT, B * HV)](k, last_k, count, tail_x, G, c, A, cu_seqlens, ci, co, T,
                              **{x: y for x, y in row_kw.items() if x != 'V'})
     Wt = torch.empty(NV, HV, K, device=dev, dtype=k.dtype)
@@ -397,9 +398,9 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
 
 # ----------------------------------------------------------------------------------------------
 # backward: falcon1's (the WY form's) in virtual rows. The outputs are per step (BS rows, q and do), the writes
-# per virtual row (x, V', W, A); masks go by step. Per-row gradients of x and y land in fp32 buffers dXr, dYr
-# ([chunks * 64, HV, .]); _bwd_pairs3 sums the up to W rows of each pair into dk and dv. The gates' sums run per
-# step: a row's contribution goes to its step through a [BS, 64] selection.
+# per virtual row (x, V', W, A); masks go by step. Per-row gradients of x and y land in buffers dXr, dYr
+# ([chunks * 64, HV, .], the inputs' dtype); _bwd_pairs3 sums the up to W rows of each pair into dk and dv in fp32.
+# The gates' sums run per step: a row's contribution goes to its step through a [BS, 64] selection.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -444,7 +445,8 @@ def _bwd_dv_local3(q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ch
     b_do = tl.load(do + ((bos + o_tq) * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_tq[:, None] & m_v[None, :],
                    other=0)
     b_du = tl.dot(b_st.to(b_do.dtype), b_do)
-    tl.store(du + ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :], b_du, mask=m_v[None, :])
+    tl.store(du + ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :], b_du.to(du.dtype.element_ty),
+             mask=m_v[None, :])
 
 
 @triton.autotune(configs=CONFIGS_H2, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'], restore_value=['du'])
@@ -484,9 +486,9 @@ def _bwd_dhu3(q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, c
         b_dh_next = b_dh
         b_dh = b_dh * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), b_dod)
         p_rv = ((vbase + o_r) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0)
+        b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0).to(tl.float32)
         b_du += tl.dot(b_x, b_dh_next.to(b_q.dtype)) * tl.where(o_t < T, tl.exp(b_Gl - b_G), 0.)[:, None]
-        tl.store(du + p_rv, b_du, mask=m_v[None, :])
+        tl.store(du + p_rv, b_du.to(du.dtype.element_ty), mask=m_v[None, :])
         b_w = tl.load(Wt + ((vbase + o_r) * HV + i_hv)[:, None] * K + o_k[None, :], mask=(o_k < K)[None, :], other=0)
         b_dh -= tl.dot(tl.trans(b_w), b_du.to(b_w.dtype))
     if USE_INITIAL_STATE:
@@ -555,8 +557,8 @@ def _bwd_dqx3(q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw,
     b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
     b_dx = b_dxs + tl.dot(b_dst.to(dt), b_q)
     p_rk = ((vbase + o_r) * HV + i_hv)[:, None] * K + o_k[None, :]
-    tl.store(dx + p_rk, b_dx, mask=m_k[None, :])
-    tl.store(dw + p_rk, -b_dw, mask=m_k[None, :])
+    tl.store(dx + p_rk, b_dx.to(dx.dtype.element_ty), mask=m_k[None, :])
+    tl.store(dw + p_rk, (-b_dw).to(dw.dtype.element_ty), mask=m_k[None, :])
     b_dGq += tl.where(o_tq == last, b_end, 0.) - _row_steps(tl.sum(b_xf * b_dx, 1), o_t, o_tq)
     tl.store(dG + (bos + o_tq) * HV + i_hv, b_dGq, mask=m_tq)
 
@@ -599,7 +601,7 @@ def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, 
         b_du = tl.load(du + p_rv, mask=m_v[None, :], other=0).to(dt)
         b_dA += tl.dot(b_du, tl.trans((b_y * b_cv[:, None]).to(dt)))
         b_Atdu = tl.dot(b_At, b_du)
-        tl.store(dYr + p_rv, b_Atdu * b_cv[:, None], mask=m_v[None, :])
+        tl.store(dYr + p_rv, (b_Atdu * b_cv[:, None]).to(dYr.dtype.element_ty), mask=m_v[None, :])
         b_dc += tl.sum(b_Atdu * b_y, 1)
     b_dc = tl.where(valid, b_dc, 0.)
     p_rk = ((vbase + o_r) * HV + i_hv)[:, None] * K + o_k[None, :]
@@ -611,7 +613,7 @@ def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, 
     b_F = tl.where(m_l, tl.exp(tl.where(m_l, b_Gx[:, None] - b_G[None, :], 0.)), 0.)
     b_P = b_dL * b_F * b_c[:, None]
     # P^T through a scratch buffer: a transposed dot result fed into tl.dot miscompiles on Hopper
-    tl.store(dP + p_A, b_P)
+    tl.store(dP + p_A, b_P.to(dP.dtype.element_ty))
     b_dx = tl.dot(b_P.to(dt), b_x)
     b_R = b_dL * b_F * tl.dot(b_x, tl.trans(b_x))
     b_dc += tl.sum(b_R, 1)
@@ -625,7 +627,7 @@ def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, 
     b_dx += tl.dot(b_Pt.to(dt), b_x)
     b_Atdw = tl.dot(b_At, b_dw)
     b_db = tl.sum(b_Atdw * b_xf, 1)
-    b_dx += tl.load(dx + p_rk, mask=m_k[None, :], other=0) + b_Atdw * b_b[:, None]
+    b_dx += tl.load(dx + p_rk, mask=m_k[None, :], other=0).to(tl.float32) + b_Atdw * b_b[:, None]
     b_dc += b_db * tl.exp(b_Gx)
     b_z += b_db * b_b
     b_zd -= b_db * b_b
@@ -644,7 +646,7 @@ def _bwd_gates3(k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, 
     b_u = tl.load(Ue + ((bos + o_t) * H + i_h) * WP + o_r % WP, mask=o_t < T, other=0)
     b_Us = tl.where(o_t[:, None] == o_t[None, :], b_u[None, :], 0.)
     b_dx += (b_wE * b_u)[:, None] * tl.dot(b_Us.to(dt), b_x)
-    tl.store(dXr + p_rk, tl.where(valid[:, None], b_dx, 0.), mask=m_k[None, :])
+    tl.store(dXr + p_rk, tl.where(valid[:, None], b_dx, 0.).to(dXr.dtype.element_ty), mask=m_k[None, :])
 
 
 @triton.jit
@@ -668,9 +670,9 @@ def _bwd_pairs3(dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, chunk_i
         m_r = m_p & (o_p + d < T)
         r = boh * 64 + (o_p + d) * WP + WP - 1 - d
         b_dx += tl.load(dXr + (r * HV + i_hv)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
-                        other=0)
+                        other=0).to(tl.float32)
         b_dy += tl.load(dYr + (r * HV + i_hv)[:, None] * V + o_v[None, :], mask=m_r[:, None] & (o_v < V)[None, :],
-                        other=0)
+                        other=0).to(tl.float32)
     _store_dk(b_dx, m_p, dk, dlast_k, i_n, i_t, i_hv, bos, o_p, m_p, T, HV, K, BK, SHIFT, USE_INITIAL_STATE)
     tl.store(dv + ((bos + o_p) * HV + i_hv)[:, None] * V + o_v[None, :], b_dy.to(dv.dtype.element_ty),
              mask=m_p[:, None] & (o_v < V)[None, :])
@@ -687,9 +689,9 @@ def _bwd_pairs3(dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, chunk_i
                 m_rj = m_j & (p + e >= 0) & (p + e < T)
                 r_j = boh * 64 + (p + e) * WP + WP - 1 - e
                 b_tx += tl.load(dXr + (r_j * HV + i_hv)[:, None] * K + o_k[None, :],
-                                mask=m_rj[:, None] & (o_k < K)[None, :], other=0)
+                                mask=m_rj[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
                 b_ty += tl.load(dYr + (r_j * HV + i_hv)[:, None] * V + o_v[None, :],
-                                mask=m_rj[:, None] & (o_v < V)[None, :], other=0)
+                                mask=m_rj[:, None] & (o_v < V)[None, :], other=0).to(tl.float32)
             row = (i_n * HV + i_hv) * (WIN - 1) + WIN - 1 + p
             tl.store(dtail_x + row[:, None] * K + o_k[None, :], b_tx, mask=m_j[:, None] & (o_k < K)[None, :])
             tl.store(dtail_v + row[:, None] * V + o_v[None, :], b_ty, mask=m_j[:, None] & (o_v < V)[None, :])
@@ -708,7 +710,11 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     BSO = max(BS, 16)
     do = do.contiguous()
     NV = m['NTH'] * VR
-    du = torch.empty(NV, HV, V, **f32)
+    # the virtual-row buffers ([chunks * 64, HV, .], four times falcon1's rows at window 4) in the inputs' dtype, as
+    # falcon1's dU, dx and dW: every one is formed in fp32 inside a kernel, and dU, dW, A and dP are only read back
+    # as matmul operands in that dtype, so with bf16 inputs an fp32 buffer doubled their memory traffic
+    rdt = q.dtype
+    du = torch.empty(NV, HV, V, device=dev, dtype=rdt)
     _bwd_dv_local3[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, last_k, count, tail_x, G, do, du, scale, cu_seqlens, ci, co, T, BV=BV, BSO=BSO, **row_kw)
     dh = torch.empty_like(h)
@@ -719,13 +725,13 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
-    dx = torch.empty(NV, HV, K, **f32)
-    dw = torch.empty(NV, HV, K, **f32)
+    dx = torch.empty(NV, HV, K, device=dev, dtype=rdt)
+    dw = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dG = torch.empty(B, T, HV, **f32)
     _bwd_dqx3[(NT, B * HV)](q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
                             cu_seqlens, ci, co, T, BV=BV, BSO=BSO, **row_kw)
-    dXr = torch.empty(NV, HV, K, **f32)
-    dYr = torch.empty(NV, HV, V, **f32)
+    dXr = torch.empty(NV, HV, K, device=dev, dtype=rdt)
+    dYr = torch.empty(NV, HV, V, device=dev, dtype=rdt)
     dbeta = torch.empty(beta.shape, **f32)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     _bwd_gates3[(NT, B * HV)](
