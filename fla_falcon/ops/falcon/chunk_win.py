@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fla.ops.utils import solve_tril
 
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
@@ -48,9 +49,6 @@ from fla_falcon.ops.falcon.chunk import (
     _store_dk,
     _store_gates,
     _win_gates,
-    _wy_diag_inv,
-    _wy_lower1,
-    _wy_lower2,
 )
 from fla_falcon.ops.falcon.fused_recurrent import NSQ, _eig2, _eig4, _load_pairs, _p_min, falcon_window_energy_kernel
 
@@ -152,64 +150,23 @@ def _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, r0, T, H: tl
     return o_t, o_p, m_p, b_x, valid, b_G, b_Gx, b_c
 
 
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)], key=['H', 'HV', 'K', 'WP', 'IS_VARLEN'])
 @triton.jit
-def _vblock(b_xi, b_xj, b_Gxi, b_Gj, b_ci, o_ti, o_tj, T):
-    """P's [16, 16] block of two virtual row blocks: rows of real steps against rows of earlier steps."""
-    m = (o_ti[:, None] > o_tj[None, :]) & (o_ti < T)[:, None]
-    b_kk = tl.dot(b_xi, tl.trans(b_xj))
-    return tl.where(m, b_ci[:, None] * tl.exp(tl.where(m, b_Gxi[:, None] - b_Gj[None, :], 0.)) * b_kk, 0.)
-
-
-@triton.jit
-def _vstore(A, b_blk, vbase, i_hv, r0, c0, HV: tl.constexpr):
-    o_i = tl.arange(0, 16)
-    tl.store(A + ((vbase + r0 + o_i) * HV + i_hv)[:, None] * 64 + (c0 + o_i)[None, :], b_blk.to(A.dtype.element_ty))
-
-
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4)], key=['H', 'HV', 'K', 'WP', 'IS_VARLEN'])
-@triton.jit
-def _wy_solve3(k, last_k, count, tail_x, G, c, A, cu_seqlens, chunk_indices, chunk_offsets, T,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-               WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-               IS_VARLEN: tl.constexpr):
-    """A = (I + P)^-1 over the chunk's 64 virtual rows, by 16-row blocks as falcon1's _wy_solve (each block holds
-    whole steps: 16 is a multiple of WP, so only the diagonal blocks see the by-step mask)."""
+def _wy_p3(k, last_k, count, tail_x, G, c, P, cu_seqlens, chunk_indices, chunk_offsets, T,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+           WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+           IS_VARLEN: tl.constexpr):
+    """P of the chunk's 64 virtual rows in fp32, one [64, 64] product: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s))
+    x_r . x_s for t(s) < t(r) (strictly lower by step), zero rows past the sequence; fla's solve_tril inverts I + P."""
     i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
                                                            cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
-    o_t0, _, _, b_x0, _, b_G0, b_Gx0, b_c0 = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
-                                                     H, HV, K, BK, 16, WP, WIN, SHIFT, USE_INITIAL_STATE)
-    o_t1, _, _, b_x1, _, b_G1, b_Gx1, b_c1 = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 16, T,
-                                                     H, HV, K, BK, 16, WP, WIN, SHIFT, USE_INITIAL_STATE)
-    o_t2, _, _, b_x2, _, b_G2, b_Gx2, b_c2 = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 32, T,
-                                                     H, HV, K, BK, 16, WP, WIN, SHIFT, USE_INITIAL_STATE)
-    o_t3, _, _, b_x3, _, b_G3, b_Gx3, b_c3 = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 48, T,
-                                                     H, HV, K, BK, 16, WP, WIN, SHIFT, USE_INITIAL_STATE)
-    b_Ai00 = _wy_diag_inv(_vblock(b_x0, b_x0, b_Gx0, b_G0, b_c0, o_t0, o_t0, T))
-    b_Ai10, b_Ai11 = _wy_lower1(b_Ai00, _vblock(b_x1, b_x0, b_Gx1, b_G0, b_c1, o_t1, o_t0, T),
-                                _vblock(b_x1, b_x1, b_Gx1, b_G1, b_c1, o_t1, o_t1, T))
-    b_Ai20, b_Ai21, b_Ai22, b_Ai30, b_Ai31, b_Ai32, b_Ai33 = _wy_lower2(
-        b_Ai00, b_Ai10, b_Ai11,
-        _vblock(b_x2, b_x0, b_Gx2, b_G0, b_c2, o_t2, o_t0, T), _vblock(b_x2, b_x1, b_Gx2, b_G1, b_c2, o_t2, o_t1, T),
-        _vblock(b_x3, b_x0, b_Gx3, b_G0, b_c3, o_t3, o_t0, T), _vblock(b_x3, b_x1, b_Gx3, b_G1, b_c3, o_t3, o_t1, T),
-        _vblock(b_x3, b_x2, b_Gx3, b_G2, b_c3, o_t3, o_t2, T),
-        _vblock(b_x2, b_x2, b_Gx2, b_G2, b_c2, o_t2, o_t2, T), _vblock(b_x3, b_x3, b_Gx3, b_G3, b_c3, o_t3, o_t3, T))
-    b_zero = tl.zeros([16, 16], dtype=tl.float32)
-    _vstore(A, b_Ai00, vbase, i_hv, 0, 0, HV)
-    _vstore(A, b_zero, vbase, i_hv, 0, 16, HV)
-    _vstore(A, b_zero, vbase, i_hv, 0, 32, HV)
-    _vstore(A, b_zero, vbase, i_hv, 0, 48, HV)
-    _vstore(A, b_Ai10, vbase, i_hv, 16, 0, HV)
-    _vstore(A, b_Ai11, vbase, i_hv, 16, 16, HV)
-    _vstore(A, b_zero, vbase, i_hv, 16, 32, HV)
-    _vstore(A, b_zero, vbase, i_hv, 16, 48, HV)
-    _vstore(A, b_Ai20, vbase, i_hv, 32, 0, HV)
-    _vstore(A, b_Ai21, vbase, i_hv, 32, 16, HV)
-    _vstore(A, b_Ai22, vbase, i_hv, 32, 32, HV)
-    _vstore(A, b_zero, vbase, i_hv, 32, 48, HV)
-    _vstore(A, b_Ai30, vbase, i_hv, 48, 0, HV)
-    _vstore(A, b_Ai31, vbase, i_hv, 48, 16, HV)
-    _vstore(A, b_Ai32, vbase, i_hv, 48, 32, HV)
-    _vstore(A, b_Ai33, vbase, i_hv, 48, 48, HV)
+    o_r = tl.arange(0, 64)
+    o_t, _, _, b_x, _, b_G, b_Gx, b_c = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
+                                               H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
+    m = (o_t[:, None] > o_t[None, :]) & (o_t < T)[:, None]
+    b_kk = tl.dot(b_x, tl.trans(b_x))
+    b_P = tl.where(m, b_c[:, None] * tl.exp(tl.where(m, b_Gx[:, None] - b_G[None, :], 0.)) * b_kk, 0.)
+    tl.store(P + ((vbase + o_r) * HV + i_hv)[:, None] * 64 + o_r[None, :], b_P)
 
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
@@ -377,10 +334,14 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
         BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
     NV = m['NTH'] * VR
-    # A (I + P)^-1 in the inputs' dtype: _wy_wu3 and _bwd_gates3 only read it as a matmul operand in that dtype
-    A = torch.empty(NV, HV, VR, device=dev, dtype=k.dtype)
-    _wy_solve3[(NT, B * HV)](k, last_k, count, tail_x, G, c, A, cu_seqlens, ci, co, T,
-                             **{x: y for x, y in row_kw.items() if x != 'V'})
+    # A = (I + P)^-1: P from one [64, 64] product per chunk, inverted by fla's solve_tril (its 16-row diagonal blocks
+    # read their rows back from memory, not out of register tiles), A in the inputs' dtype: _wy_wu3 and _bwd_gates3
+    # only read it as a matmul operand in that dtype. The virtual rows are chunk-major, 64 per chunk, so they are one
+    # sequence of NV rows to solve_tril
+    P = torch.empty(NV, HV, VR, **f32)
+    _wy_p3[(NT, B * HV)](k, last_k, count, tail_x, G, c, P, cu_seqlens, ci, co, T,
+                         **{x: y for x, y in row_kw.items() if x != 'V'})
+    A = solve_tril(P.view(1, NV, HV, VR), output_dtype=k.dtype).view(NV, HV, VR)
     Wt = torch.empty(NV, HV, K, device=dev, dtype=k.dtype)
     U = torch.empty(NV, HV, V, device=dev, dtype=k.dtype)
     _wy_wu3[(NT, B * HV)](k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, ci, co, T, BV=BV, **row_kw)
