@@ -553,13 +553,8 @@ def _wy_lower1(b_Ai00, b_P10, b_P11):
     """Rows 16-31 of (I + P)^-1 from its first 16 rows' inverse and P's blocks (1, 0) and (1, 1) (strictly lower):
     A11 = (I + P11)^-1, A10 = -A11 P10 A00. fp32 products as tf32x3 (plain TF32 loses the solve's accuracy)."""
     b_Ai11 = _wy_diag_inv(b_P11)
-    return _wy_merge1(b_Ai00, b_P10, b_Ai11), b_Ai11
-
-
-@triton.jit
-def _wy_merge1(b_Ai00, b_P10, b_Ai11):
-    """Block (1, 0) of (I + P)^-1 from its diagonal blocks: A10 = -A11 P10 A00."""
-    return -tl.dot(tl.dot(b_Ai11, b_P10, input_precision="tf32x3"), b_Ai00, input_precision="tf32x3")
+    b_Ai10 = -tl.dot(tl.dot(b_Ai11, b_P10, input_precision="tf32x3"), b_Ai00, input_precision="tf32x3")
+    return b_Ai10, b_Ai11
 
 
 @triton.jit
@@ -567,14 +562,6 @@ def _wy_lower2(b_Ai00, b_Ai10, b_Ai11, b_P20, b_P21, b_P30, b_P31, b_P32, b_P22,
     """Rows 32-63 of (I + P)^-1 (blocks (2, 0..2), (3, 0..3)) from rows 0-31 of it and P's blocks."""
     b_Ai22 = _wy_diag_inv(b_P22)
     b_Ai33 = _wy_diag_inv(b_P33)
-    b_Ai20, b_Ai21, b_Ai30, b_Ai31, b_Ai32 = _wy_merge2(b_Ai00, b_Ai10, b_Ai11, b_Ai22, b_Ai33, b_P20, b_P21, b_P30,
-                                                        b_P31, b_P32)
-    return b_Ai20, b_Ai21, b_Ai22, b_Ai30, b_Ai31, b_Ai32, b_Ai33
-
-
-@triton.jit
-def _wy_merge2(b_Ai00, b_Ai10, b_Ai11, b_Ai22, b_Ai33, b_P20, b_P21, b_P30, b_P31, b_P32):
-    """Blocks (2, 0..1) and (3, 0..2) of (I + P)^-1 from its rows 0-31, its diagonal blocks and P's blocks."""
     b_Ai21 = -tl.dot(tl.dot(b_Ai22, b_P21, input_precision="tf32x3"), b_Ai11, input_precision="tf32x3")
     b_Ai32 = -tl.dot(tl.dot(b_Ai33, b_P32, input_precision="tf32x3"), b_Ai22, input_precision="tf32x3")
     b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_P20, b_Ai00, input_precision="tf32x3")
@@ -584,7 +571,7 @@ def _wy_merge2(b_Ai00, b_Ai10, b_Ai11, b_Ai22, b_Ai33, b_P20, b_P21, b_P30, b_P3
     b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_P30, b_Ai00, input_precision="tf32x3")
                      + tl.dot(b_P31, b_Ai10, input_precision="tf32x3")
                      + tl.dot(b_P32, b_Ai20, input_precision="tf32x3"), input_precision="tf32x3")
-    return b_Ai20, b_Ai21, b_Ai30, b_Ai31, b_Ai32
+    return b_Ai20, b_Ai21, b_Ai22, b_Ai30, b_Ai31, b_Ai32, b_Ai33
 
 
 @triton.jit

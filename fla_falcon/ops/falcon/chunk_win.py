@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fla.ops.utils import solve_tril
 
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
@@ -48,8 +49,6 @@ from fla_falcon.ops.falcon.chunk import (
     _store_dk,
     _store_gates,
     _win_gates,
-    _wy_merge1,
-    _wy_merge2,
 )
 from fla_falcon.ops.falcon.fused_recurrent import NSQ, _eig2, _eig4, _load_pairs, _p_min, falcon_window_energy_kernel
 
@@ -151,96 +150,23 @@ def _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, r0, T, H: tl
     return o_t, o_p, m_p, b_x, valid, b_G, b_Gx, b_c
 
 
-@triton.jit
-def _diag_inv4(P, vbase, i_hv, HV: tl.constexpr):
-    """(I + P_bb)^-1 of the four [16, 16] diagonal blocks of a chunk's P (strictly lower; fp32 rows vbase.. of the
-    scratch P), as one [4, 16, 16] tile: row i of the inverse's strict part is -P_i - P_i M (M: its rows < i). The
-    four recursions advance together, one row of each block per step, and each step loads its rows of P from memory
-    (fla's solve_tril does the same for one block at a time): no rows taken out of register tiles."""
-    o_b = tl.arange(0, 4)
-    o_i = tl.arange(0, 16)
-    r_b = vbase + 16 * o_b   # each block's first row
-    b_D = tl.load(P + ((r_b[:, None, None] + o_i[None, :, None]) * HV + i_hv) * 64
-                  + (16 * o_b)[:, None, None] + o_i[None, None, :])
-    b_M = -tl.where(o_i[None, :, None] > o_i[None, None, :], b_D, 0.)
-    for i in range(2, 16):
-        b_a = tl.load(P + ((r_b + i) * HV + i_hv)[:, None] * 64 + (16 * o_b)[:, None] + o_i[None, :])
-        b_a = tl.where(o_i[None, :] < i, -b_a, 0.)
-        b_a += tl.sum(b_a[:, :, None] * b_M, 1)
-        b_M = tl.where((o_i == i)[None, :, None], b_a[:, None, :], b_M)
-    return b_M + (o_i[:, None] == o_i[None, :]).to(tl.float32)[None, :, :]
-
-
-@triton.jit
-def _blk4(b_M, b: tl.constexpr):
-    """Block b of a [4, 16, 16] tile as a [16, 16] one."""
-    return tl.sum(tl.where((tl.arange(0, 4) == b)[:, None, None], b_M, 0.), 0)
-
-
-@triton.jit
-def _pblk(P, vbase, i_hv, r0: tl.constexpr, c0: tl.constexpr, HV: tl.constexpr):
-    """P's [16, 16] block at rows r0, columns c0 of the chunk (from the fp32 scratch)."""
-    o_i = tl.arange(0, 16)
-    return tl.load(P + ((vbase + r0 + o_i) * HV + i_hv)[:, None] * 64 + (c0 + o_i)[None, :])
-
-
-@triton.jit
-def _vstore(A, b_blk, vbase, i_hv, r0: tl.constexpr, c0: tl.constexpr, HV: tl.constexpr):
-    o_i = tl.arange(0, 16)
-    tl.store(A + ((vbase + r0 + o_i) * HV + i_hv)[:, None] * 64 + (c0 + o_i)[None, :], b_blk.to(A.dtype.element_ty))
-
-
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8)], key=['H', 'HV', 'K', 'WP', 'IS_VARLEN'])
 @triton.jit
-def _wy_solve3(k, last_k, count, tail_x, G, c, P, A, cu_seqlens, chunk_indices, chunk_offsets, T,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-               WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-               IS_VARLEN: tl.constexpr):
-    """A = (I + P)^-1 over the chunk's 64 virtual rows. P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s)) x_r . x_s for
-    t(s) < t(r) (strictly lower by step; zero rows past the sequence) in one [64, 64] product, written to the fp32
-    scratch P; its four diagonal blocks inverted together (_diag_inv4), then the blocks below them as falcon1's
-    _wy_solve merges them (16 is a multiple of WP, so only the diagonal blocks see the by-step mask)."""
+def _wy_p3(k, last_k, count, tail_x, G, c, P, cu_seqlens, chunk_indices, chunk_offsets, T,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+           WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+           IS_VARLEN: tl.constexpr):
+    """P of the chunk's 64 virtual rows in fp32, one [64, 64] product: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s))
+    x_r . x_s for t(s) < t(r) (strictly lower by step), zero rows past the sequence; fla's solve_tril inverts I + P."""
     i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
                                                            cu_seqlens, chunk_offsets, T, H, HV, BS, IS_VARLEN)
     o_r = tl.arange(0, 64)
     o_t, _, _, b_x, _, b_G, b_Gx, b_c = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
                                                H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
     m = (o_t[:, None] > o_t[None, :]) & (o_t < T)[:, None]
-    if b_x.dtype == tl.float32:
-        # fp32 keys: the Gram as tf32x3; plain TF32 (a 64-row wgmma) put dbeta 0.503% off the fp64 reference in
-        # test_zero_keys on the H200, over fp32's 0.5% (16-row products with plain TF32 had passed)
-        b_kk = tl.dot(b_x, tl.trans(b_x), input_precision="tf32x3")
-    else:
-        b_kk = tl.dot(b_x, tl.trans(b_x))
+    b_kk = tl.dot(b_x, tl.trans(b_x))
     b_P = tl.where(m, b_c[:, None] * tl.exp(tl.where(m, b_Gx[:, None] - b_G[None, :], 0.)) * b_kk, 0.)
     tl.store(P + ((vbase + o_r) * HV + i_hv)[:, None] * 64 + o_r[None, :], b_P)
-    tl.debug_barrier()
-    b_M = _diag_inv4(P, vbase, i_hv, HV)
-    b_Ai00 = _blk4(b_M, 0)
-    b_Ai11 = _blk4(b_M, 1)
-    b_Ai22 = _blk4(b_M, 2)
-    b_Ai33 = _blk4(b_M, 3)
-    b_Ai10 = _wy_merge1(b_Ai00, _pblk(P, vbase, i_hv, 16, 0, HV), b_Ai11)
-    b_Ai20, b_Ai21, b_Ai30, b_Ai31, b_Ai32 = _wy_merge2(
-        b_Ai00, b_Ai10, b_Ai11, b_Ai22, b_Ai33, _pblk(P, vbase, i_hv, 32, 0, HV), _pblk(P, vbase, i_hv, 32, 16, HV),
-        _pblk(P, vbase, i_hv, 48, 0, HV), _pblk(P, vbase, i_hv, 48, 16, HV), _pblk(P, vbase, i_hv, 48, 32, HV))
-    b_zero = tl.zeros([16, 16], dtype=tl.float32)
-    _vstore(A, b_Ai00, vbase, i_hv, 0, 0, HV)
-    _vstore(A, b_zero, vbase, i_hv, 0, 16, HV)
-    _vstore(A, b_zero, vbase, i_hv, 0, 32, HV)
-    _vstore(A, b_zero, vbase, i_hv, 0, 48, HV)
-    _vstore(A, b_Ai10, vbase, i_hv, 16, 0, HV)
-    _vstore(A, b_Ai11, vbase, i_hv, 16, 16, HV)
-    _vstore(A, b_zero, vbase, i_hv, 16, 32, HV)
-    _vstore(A, b_zero, vbase, i_hv, 16, 48, HV)
-    _vstore(A, b_Ai20, vbase, i_hv, 32, 0, HV)
-    _vstore(A, b_Ai21, vbase, i_hv, 32, 16, HV)
-    _vstore(A, b_Ai22, vbase, i_hv, 32, 32, HV)
-    _vstore(A, b_zero, vbase, i_hv, 32, 48, HV)
-    _vstore(A, b_Ai30, vbase, i_hv, 48, 0, HV)
-    _vstore(A, b_Ai31, vbase, i_hv, 48, 16, HV)
-    _vstore(A, b_Ai32, vbase, i_hv, 48, 32, HV)
-    _vstore(A, b_Ai33, vbase, i_hv, 48, 48, HV)
 
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'WP', 'IS_VARLEN'])
@@ -408,12 +334,14 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
         BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
     NV = m['NTH'] * VR
-    # A = (I + P)^-1 in the inputs' dtype: _wy_wu3 and _bwd_gates3 only read it as a matmul operand in that dtype.
-    # P goes through an fp32 scratch, from which the solve reads its rows back
+    # A = (I + P)^-1: P from one [64, 64] product per chunk, inverted by fla's solve_tril (its 16-row diagonal blocks
+    # read their rows back from memory, not out of register tiles), A in the inputs' dtype: _wy_wu3 and _bwd_gates3
+    # only read it as a matmul operand in that dtype. The virtual rows are chunk-major, 64 per chunk, so they are one
+    # sequence of NV rows to solve_tril
     P = torch.empty(NV, HV, VR, **f32)
-    A = torch.empty(NV, HV, VR, device=dev, dtype=k.dtype)
-    _wy_solve3[(NT, B * HV)](k, last_k, count, tail_x, G, c, P, A, cu_seqlens, ci, co, T,
-                             **{x: y for x, y in row_kw.items() if x != 'V'})
+    _wy_p3[(NT, B * HV)](k, last_k, count, tail_x, G, c, P, cu_seqlens, ci, co, T,
+                         **{x: y for x, y in row_kw.items() if x != 'V'})
+    A = solve_tril(P.view(1, NV, HV, VR), output_dtype=k.dtype).view(NV, HV, VR)
     Wt = torch.empty(NV, HV, K, device=dev, dtype=k.dtype)
     U = torch.empty(NV, HV, V, device=dev, dtype=k.dtype)
     _wy_wu3[(NT, B * HV)](k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, ci, co, T, BV=BV, **row_kw)
