@@ -164,7 +164,12 @@ def _wy_p3(k, last_k, count, tail_x, G, c, P, cu_seqlens, chunk_indices, chunk_o
     o_t, _, _, b_x, _, b_G, b_Gx, b_c = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
                                                H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
     m = (o_t[:, None] > o_t[None, :]) & (o_t < T)[:, None]
-    b_kk = tl.dot(b_x, tl.trans(b_x))
+    if b_x.dtype == tl.float32:
+        # fp32 keys: the Gram as tf32x3; plain TF32 (a 64-row wgmma) put dbeta 0.503% off the fp64 reference in
+        # test_zero_keys on the H200, over fp32's 0.5% (the 16-row products of the form before passed)
+        b_kk = tl.dot(b_x, tl.trans(b_x), input_precision="tf32x3")
+    else:
+        b_kk = tl.dot(b_x, tl.trans(b_x))
     b_P = tl.where(m, b_c[:, None] * tl.exp(tl.where(m, b_Gx[:, None] - b_G[None, :], 0.)) * b_kk, 0.)
     tl.store(P + ((vbase + o_r) * HV + i_hv)[:, None] * 64 + o_r[None, :], b_P)
 
