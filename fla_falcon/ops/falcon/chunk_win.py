@@ -694,8 +694,13 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     dx = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dw = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dG = torch.empty(B, T, HV, **f32)
+    # bf16 values of 65-128 columns in one 128-wide block: the kernel's value loop runs unpipelined (the wgmma hazard,
+    # see _bwd_dqx3), so each iteration waits for its own loads, and one block waits once (214-255 registers, no stack
+    # at K = 64 / 128, V = 128, aot_check sm_90; fp32, or two 128-wide blocks at V = 256, spill 120-144 B). Narrower
+    # values keep _meta's 64-wide block (MIN_BLOCK)
+    bv = 128 if q.element_size() <= 2 and 64 < V <= 128 else BV
     _bwd_dqx3[(NT, B * HV)](q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
-                            cu_seqlens, ci, co, T, BV=BV, BSO=BSO, **row_kw)
+                            cu_seqlens, ci, co, T, BV=bv, BSO=BSO, **row_kw)
     dXr = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dYr = torch.empty(NV, HV, V, device=dev, dtype=rdt)
     dbeta = torch.empty(beta.shape, **f32)
