@@ -694,10 +694,11 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     dx = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dw = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dG = torch.empty(B, T, HV, **f32)
-    # bf16 values of 65-128 columns in one 128-wide block: the kernel's value loop runs unpipelined (the wgmma hazard,
-    # see _bwd_dqx3), so each iteration waits for its own loads, and one block waits once (214-255 registers, no stack
-    # at K = 64 / 128, V = 128, aot_check sm_90; fp32, or two 128-wide blocks at V = 256, spill 120-144 B). Narrower
-    # values keep _meta's 64-wide block (MIN_BLOCK)
+    # bf16 values of 65-128 columns in one 128-wide block, here and in _bwd_gates3: _bwd_dqx3's value loop runs
+    # unpipelined (the wgmma hazard, see the kernel), so each iteration waits for its own loads, and one block waits
+    # once (214-255 registers, no stack at K = 64 / 128, V = 128, aot_check sm_90; fp32, or two 128-wide blocks at
+    # V = 256, spill 120-144 B); _bwd_gates3 takes 182-252 registers, no stack. Narrower values keep _meta's 64-wide
+    # block (MIN_BLOCK)
     bv = 128 if q.element_size() <= 2 and 64 < V <= 128 else BV
     _bwd_dqx3[(NT, B * HV)](q, k, last_k, count, tail_x, G, vn, h, dh, do, du, dq, dx, dG, dw, scale,
                             cu_seqlens, ci, co, T, BV=bv, BSO=BSO, **row_kw)
@@ -707,7 +708,7 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     _bwd_gates3[(NT, B * HV)](
         k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, torch.empty_like(A), dx, dG, dw, du, dXr,
-        dYr, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, BV=BV, HAS_LAM=lam is not None,
+        dYr, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, BV=bv, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, **row_kw)
     # every row of dk is written (_store_dk: the zero gradient of a sequence's last key too)
     dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
