@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from fla.ops.utils import solve_tril
 
+from fla_falcon._platform import INTERPRET
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     CONFIGS_8W,
@@ -155,7 +156,7 @@ def _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, r0, T, H: tl
 def _wy_p3(k, last_k, count, tail_x, G, c, P, cu_seqlens, chunk_indices, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
            WP: tl.constexpr, WIN: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-           IS_VARLEN: tl.constexpr):
+           IS_VARLEN: tl.constexpr, ROUND_TF32: tl.constexpr):
     """P of the chunk's 64 virtual rows in fp32, one [64, 64] product: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s))
     x_r . x_s for t(s) < t(r) (strictly lower by step), zero rows past the sequence; fla's solve_tril inverts I + P."""
     i_n, i_hv, i_h, i_t, bos, T, boh, t0, vbase = _vchunk(tl.program_id(0), tl.program_id(1), chunk_indices,
@@ -164,10 +165,16 @@ def _wy_p3(k, last_k, count, tail_x, G, c, P, cu_seqlens, chunk_indices, chunk_o
     o_t, _, _, b_x, _, b_G, b_Gx, b_c = _vrows(k, last_k, count, tail_x, G, c, i_n, i_h, i_hv, bos, t0, 0, T,
                                                H, HV, K, BK, 64, WP, WIN, SHIFT, USE_INITIAL_STATE)
     m = (o_t[:, None] > o_t[None, :]) & (o_t < T)[:, None]
-    if b_x.dtype == tl.float32:
-        # fp32 keys: the Gram as tf32x3; plain TF32 (a 64-row wgmma) put dbeta 0.503% off the fp64 reference in
-        # test_zero_keys on the H200, over fp32's 0.5% (the 16-row products of the form before passed)
-        b_kk = tl.dot(b_x, tl.trans(b_x), input_precision="tf32x3")
+    if (b_x.dtype == tl.float32) & ROUND_TF32:
+        # fp32 keys on a GPU (ROUND_TF32: the interpreter multiplies fp32 exactly, as in every other product). Hopper's
+        # wgmma (a 64-row product) drops the low 13 bits of TF32 operands, where the 16-row products of the form
+        # before (mma.sync) rounded them to nearest (cvt.rna). With the truncated Gram test_zero_keys[falcon3]'s dbeta
+        # ended 0.503% off the reference on the H200 (tolerance 0.5%); with the Gram as tf32x3
+        # test_matches_fused_recurrent's dlast_k ended 0.535% off the fused recurrent kernel (the backward forms its
+        # Gram products in TF32). So the keys are rounded to TF32 as mma.sync does, then multiplied (wgmma's
+        # truncation then drops only zero bits)
+        b_xr = ((b_x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
+        b_kk = tl.dot(b_xr, tl.trans(b_xr))
     else:
         b_kk = tl.dot(b_x, tl.trans(b_x))
     b_P = tl.where(m, b_c[:, None] * tl.exp(tl.where(m, b_Gx[:, None] - b_G[None, :], 0.)) * b_kk, 0.)
@@ -344,7 +351,7 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     # only read it as a matmul operand in that dtype. The virtual rows are chunk-major, 64 per chunk, so they are one
     # sequence of NV rows to solve_tril
     P = torch.empty(NV, HV, VR, **f32)
-    _wy_p3[(NT, B * HV)](k, last_k, count, tail_x, G, c, P, cu_seqlens, ci, co, T,
+    _wy_p3[(NT, B * HV)](k, last_k, count, tail_x, G, c, P, cu_seqlens, ci, co, T, ROUND_TF32=not INTERPRET,
                          **{x: y for x, y in row_kw.items() if x != 'V'})
     A = solve_tril(P.view(1, NV, HV, VR), output_dtype=k.dtype).view(NV, HV, VR)
     Wt = torch.empty(NV, HV, K, device=dev, dtype=k.dtype)
