@@ -1557,7 +1557,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
     - the chunk-start state's paths: dq += exp(G) do h^T (scaled), dx += exp(G_C - G) u dh^T (falcon2: minus the
       X S0 path of the right-hand side, a exp(Gx) h^T with a = eta drhs);
     - the energy path 2 dden x and dlam, from _bwd_col_gates' per-row shares of d(lam') and d(den) (rowp).
-    (One kernel: the state paths were a kernel of their own whose fp32 [B, T, HV, K] results this one read.)"""
+    (One kernel: the state paths were a kernel of their own whose fp32 [B, T, HV, K] results this one read. For
+    falcon2a's chunks within CHUNK_SPAN they share the value pass of the intra-chunk products.)"""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1584,25 +1585,47 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
     if span_c <= CHUNK_SPAN:
         b_dsT = tl.zeros([BT, BT], dtype=tl.float32)
         b_dmT = tl.zeros([BT, BT], dtype=tl.float32)
+        if not DELTA:
+            b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dx = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
-            # the chunk's rows s [BT, BV] and rows t transposed [BV, BT]
+            # the chunk's rows s [BT, BV]
             o_v, m_v, m_sv, b_G, b_u = _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
-            m_vt = m_v[:, None] & m_t[None, :]
-            p_vt = ((bos + o_t) * HV + i_hv)[None, :] * V + o_v[:, None]
             b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
             b_ur = tl.where(m_sv, b_u * tl.exp(tl.where(m_sv, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
-            b_dor = tl.where(m_vt, tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
-                             * tl.exp(tl.where(m_vt, tl.load(G + p_vt, mask=m_vt, other=0) - b_Gr[:, None], 0.)), 0.)
-            b_dsT += tl.dot(b_ur, b_dor.to(dt))
             if DELTA:
+                # rows t transposed [BV, BT] (loaded so: tl.trans of the rows' tiles, as falcon2a below, and the
+                # state's paths in this pass spill 24-176 B at K = V = 128, aot_check sm_90)
+                m_vt = m_v[:, None] & m_t[None, :]
+                p_vt = ((bos + o_t) * HV + i_hv)[None, :] * V + o_v[:, None]
+                b_dor = tl.where(m_vt, tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32) * tl.exp(
+                    tl.where(m_vt, tl.load(G + p_vt, mask=m_vt, other=0) - b_Gr[:, None], 0.)), 0.)
+                b_dsT += tl.dot(b_ur, b_dor.to(dt))
                 b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
                 b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (o_t > i_t * BT)[None, :], other=0)
                 b_ar = tl.where(m_vt, b_aT * tl.exp(tl.where(m_vt, b_GxT - b_Gr[:, None], 0.)), 0.)
                 b_dmT += tl.dot(b_ur, b_ar.to(dt))
+            else:
+                # falcon2a: the rows t from the same tiles (tl.trans of loaded tiles, not of a dot result), and the
+                # chunk-start state's paths (the pass below) in this one: G, eta, val and do read once, not two or
+                # three times
+                p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+                b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
+                b_dor = tl.where(m_sv, b_do * tl.exp(tl.where(m_sv, b_G - b_Gr[None, :], 0.)), 0.)
+                b_dsT += tl.dot(b_ur, tl.trans(b_dor.to(dt)))
+                m_kv = (o_k < K)[:, None] & m_v[None, :]
+                p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+                b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+                b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
+                b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
+                b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
+                b_dx += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
         p_aT = ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None]
         tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= o_t[None, :], b_dsT, 0.) * scale, mask=m_t[None, :])
         if DELTA:
             tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < o_t[None, :], b_dmT, 0.), mask=m_t[None, :])
+            b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dx = tl.zeros([BT, BK], dtype=tl.float32)
     else:
         for a in range(BT // 16):
             f = i_t * BT + a * 16
@@ -1663,34 +1686,34 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
             tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= r_a[None, :], b_dsT, 0.) * scale, mask=m_a[None, :])
             if DELTA:
                 tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < r_a[None, :], b_dmT, 0.), mask=m_a[None, :])
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dx = tl.zeros([BT, BK], dtype=tl.float32)
     # ds^T (and dM^T) read back transposed from the scratch (tl.trans of a dot result fed into tl.dot
     # miscompiles on Hopper)
     tl.debug_barrier()
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    # the chunk-start state's paths
-    last = min(i_t * BT + BT, T) - 1
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dx = tl.zeros([BT, BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = (o_k < K)[:, None] & m_v[None, :]
-        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-        b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
-        b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
-        b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
-        b_dx += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
-        if DELTA:
-            b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
-            b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
-            b_dx -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h))   # the X S0 path
+    # the chunk-start state's paths (falcon2a's fast branch has done them)
+    if DELTA or span_c > CHUNK_SPAN:
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_kv = (o_k < K)[:, None] & m_v[None, :]
+            p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+            b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+            b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+            b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
+            b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
+            b_u = b_eta * tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+            b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
+            b_dx += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
+            if DELTA:
+                b_a = b_eta * tl.load(dval + p_tv, mask=m_tv, other=0)
+                b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_s >= 1)[:, None], other=0)
+                b_dx -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h))   # the X S0 path
     p_A = ((bos + o_t) * HV + i_hv)[:, None] * BT + o_s[None, :]
     p_At = ((bos + i_t * BT + o_s) * HV + i_hv)[None, :] * BT + o_s[:, None]
     p_tk = ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :]
