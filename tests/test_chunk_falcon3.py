@@ -73,9 +73,10 @@ def test_matches_fused_recurrent():
     # on the GPU the chunk kernel's products are TF32 and the fused recurrent kernel has no tl.dot (fp32 FMAs):
     # their difference is the chunk's own rounding, so the chunk's tolerance against the fp64 reference applies
     # (dq differed by 2.3e-3 on the H200, over SAME_OP_RATIO's 2e-3). Gradients on the GPU take fla's own gradient
-    # tolerance for its chunk kernels against fused_recurrent (0.008 for dq / dk / dv / dh0 in fla's tests): with A
-    # from fla's solve_tril, dlast_k (16 elements) differed by 0.535% on the H200 (twenty-first and twenty-second
-    # leases), while every fp32 gradient stays within 0.5% of the fp64 reference at K = 64, T = 1000 (test_gpu_long)
+    # tolerance for its chunk kernels against fused_recurrent (0.008 for dq / dk / dv / dh0 in fla's tests): since
+    # A is formed from one 64-row Gram product, dlast_k (16 elements) differed by 0.535% on the H200 with an own solve
+    # and with fla's solve_tril, a tf32x3 and a TF32-rounded Gram alike (twenty-first and twenty-second leases), while
+    # every fp32 gradient stays within 0.5% of the fp64 reference at K = 64, T = 1000 (test_gpu_long)
     for i, (name, a, b) in enumerate(zip(names, *outs)):
         tol = SAME_OP_RATIO[DEVICE] if DEVICE == 'cpu' else RATIO[torch.float32] if i < 4 else 8e-3
         assert_close(name, a.double(), b.double(), tol)

@@ -169,10 +169,10 @@ def _wy_p3(k, last_k, count, tail_x, G, c, P, cu_seqlens, chunk_indices, chunk_o
         # fp32 keys on a GPU (ROUND_TF32: the interpreter multiplies fp32 exactly, as in every other product). Hopper's
         # wgmma (a 64-row product) drops the low 13 bits of TF32 operands, where the 16-row products of the form
         # before (mma.sync) rounded them to nearest (cvt.rna). With the truncated Gram test_zero_keys[falcon3]'s dbeta
-        # ended 0.503% off the reference on the H200 (tolerance 0.5%); with the Gram as tf32x3
-        # test_matches_fused_recurrent's dlast_k ended 0.535% off the fused recurrent kernel (the backward forms its
-        # Gram products in TF32). So the keys are rounded to TF32 as mma.sync does, then multiplied (wgmma's
-        # truncation then drops only zero bits)
+        # ended 0.503% off the reference on the H200 (tolerance 0.5%). So the keys are rounded to TF32 as mma.sync
+        # does, then multiplied (wgmma's truncation then drops only zero bits): one product, where tf32x3 took three
+        # for the same test results (twenty-first / twenty-second leases; test_matches_fused_recurrent's fp32 dlast_k
+        # stayed 0.535% from the fused recurrent kernel with either, so the Gram is not that error's source)
         b_xr = ((b_x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
         b_kk = tl.dot(b_xr, tl.trans(b_xr))
     else:
