@@ -91,8 +91,10 @@ CONFIGS_H2 = [c for c in CONFIGS_H if c.num_stages == 2]   # falcon3's _bwd_dhu3
 # the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block (one
 # program per block, BV = COL_BV fixed: each block writes its own slot of per-row sums); the [BT, K] accumulators
 # of the state paths are _bwd_col_dqk's. One kernel with both spilled 280-1080 B per thread at BV = 32-64 (ptxas,
-# K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile)
-COL_BV = 32
+# K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile). BV = 64 (was 32: 616 us of falcon2a's
+# 2193, twenty-second lease) loads each chunk's keys for half as many programs; 8 warps hold it in 216-217 registers
+# without stack (4 warps spill 464-504 B; aot_check sm_90, K = V = 128 bf16)
+COL_BV = 64
 CONFIGS_COLG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
 
 
