@@ -88,13 +88,16 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # (BV = 64, 4 warps; its autotuning on the H200), where ours ran with 2 stages only
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=s) for s in (2, 3) for bv in (64, 32) for w in (4, 8)]
 CONFIGS_H2 = [c for c in CONFIGS_H if c.num_stages == 2]   # falcon3's _bwd_dhu3: 3 stages need 234 KB at BV = 64
-# the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block (one
-# program per block, BV = COL_BV fixed: each block writes its own slot of per-row sums); the [BT, K] accumulators
-# of the state paths are _bwd_col_dqk's. One kernel with both spilled 280-1080 B per thread at BV = 32-64 (ptxas,
-# K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile). BV = 64 (was 32: 616 us of falcon2a's
-# 2193, twenty-second lease) loads each chunk's keys for half as many programs; 8 warps hold it in 216-217 registers
-# without stack (4 warps spill 464-504 B; aot_check sm_90, K = V = 128 bf16)
+# the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block (a
+# program takes COL_NVP blocks of BV = COL_BV in a loop, both fixed: each program writes its own slot of per-row
+# sums); the [BT, K] accumulators of the state paths are _bwd_col_dqk's. One kernel with both spilled 280-1080 B per
+# thread at BV = 32-64 (ptxas, K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile). BV = 64
+# (was 32, one block per program: 616 us of falcon2a's 2193, twenty-second lease) with 8 warps holds a block in
+# 216-217 registers without stack (4 warps spill 464-504 B; aot_check sm_90, K = V = 128 bf16); two blocks per
+# program load each chunk's keys and row statistics once for a 128-wide head, where one program per 32-wide block
+# loaded them four times
 COL_BV = 64
+COL_NVP = 2
 CONFIGS_COLG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
 
 
@@ -1444,26 +1447,27 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
             tl.store(du + p_vs, b_du * scale, mask=m_vs)
 
 
-@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NVP', 'DELTA', 'IS_VARLEN'])
 @triton.jit
 def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NVP: tl.constexpr,
                    SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
                    USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The per-column rules per chunk, first kernel, one program per value block (BV is fixed by the host, not
-    tuned: each block writes its own slot of the row partial sums rowp): the per-column decay gradient
-    dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the gates'
-    chain rule (dbeta and dv written), and this block's share of the per-row sums d(lam') and d(den)
-    (rowp[i_v]: _bwd_col_dqk adds the blocks' shares). The written vectors are u = eta * val:
+    """The per-column rules per chunk, first kernel, one program per NVP value blocks of BV columns (both fixed by
+    the host, not tuned: each program writes its own slot of the row partial sums rowp): the per-column decay
+    gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the
+    gates' chain rule (dbeta and dv written), and this program's share of the per-row sums d(lam') and d(den)
+    (rowp[i_vp]: _bwd_col_dqk adds the programs' shares). The keys and the row statistics are loaded once per
+    program and the value blocks taken in a loop. The written vectors are u = eta * val:
 
     - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
       which the state path exp(G_C - G) X dh is added here;
     - falcon2 (DELTA=True, chunk_col.py): val = r = v - x.S_{t-1} (the residual), dval = drhs from the
       transposed solve (all paths). On top: Gx = G - g in L (-a p with p = v - r the prediction,
       a = eta drhs), which g_t itself does not enter."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_vp, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -1480,48 +1484,51 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
     ok = valid & (b_den > 0)
     b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
     b_validf = valid.to(tl.float32)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = (o_k < K)[:, None] & m_v[None, :]
-    p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    m_tv = m_t[:, None] & m_v[None, :]
-    p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-    b_h = tl.load(h + p_kv, mask=m_kv, other=0)
-    b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
-    b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-    b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
-    b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-    b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-    b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
-    b_eta = b_beta * b_rden[:, None]
-    b_al = b_eta * b_lp[:, None]
-    clamped = b_al > 1 - eps_gamma
-    b_al = tl.minimum(b_al, 1 - eps_gamma)
-    b_u = b_eta * b_val
-    # the state path exp(G_C - G) X dh of du
-    b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
-    b_dval = tl.load(dval + p_tv, mask=m_tv, other=0)
-    if not DELTA:
-        b_dval += b_duS
-    # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
-    b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
-    if DELTA:
-        b_dGx = -b_eta * b_dval * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
-    else:
-        b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
-    b_dG += b_dGx
-    b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
-    b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
-    b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
-    b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
-    b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
-    b_dbeta = b_deta * b_rden[:, None]
-    tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
-    tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
-    # this block's share of d(lam') and d(den) per row
-    b_dlp = tl.sum(b_dalpha * b_eta, 1)
-    b_dden = -tl.sum(b_deta * b_eta, 1) * b_rden
-    p_row = rowp + ((i_v * NTOK + bos + o_t) * HV + i_hv) * 2
+    b_dlp = tl.zeros([BT], dtype=tl.float32)
+    b_dden = tl.zeros([BT], dtype=tl.float32)
+    for j in range(NVP):
+        o_v = (i_vp * NVP + j) * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = (o_k < K)[:, None] & m_v[None, :]
+        p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_eta = b_beta * b_rden[:, None]
+        b_al = b_eta * b_lp[:, None]
+        clamped = b_al > 1 - eps_gamma
+        b_al = tl.minimum(b_al, 1 - eps_gamma)
+        b_u = b_eta * b_val
+        # the state path exp(G_C - G) X dh of du
+        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
+        b_dval = tl.load(dval + p_tv, mask=m_tv, other=0)
+        if not DELTA:
+            b_dval += b_duS
+        # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
+        b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
+        if DELTA:
+            b_dGx = -b_eta * b_dval * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
+        else:
+            b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
+        b_dG += b_dGx
+        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
+        b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
+        b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
+        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
+        b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
+        b_dbeta = b_deta * b_rden[:, None]
+        tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv, (b_dval * b_eta).to(dv.dtype.element_ty), mask=m_tv)
+        # this block's share of d(lam') and d(den) per row
+        b_dlp += tl.sum(b_dalpha * b_eta, 1)
+        b_dden += -tl.sum(b_deta * b_eta, 1) * b_rden
+    p_row = rowp + ((i_vp * NTOK + bos + o_t) * HV + i_hv) * 2
     tl.store(p_row, b_dlp, mask=m_t)
     tl.store(p_row + 1, b_dden, mask=m_t)
 
@@ -2339,7 +2346,7 @@ def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do,
     B, T, HV, V, BT, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'BT', 'NT'))
     f32 = dict(device=k.device, dtype=torch.float32)
     common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}
-    NV = triton.cdiv(V, COL_BV)
+    NV = triton.cdiv(triton.cdiv(V, COL_BV), COL_NVP)   # programs per chunk and head
     rowp = torch.empty(NV, B * T, HV, 2, **f32)   # every slot written
     # scratch of ds (falcon2: and dM) per chunk row, read back transposed; ds only as a matmul operand in the inputs'
     # dtype, so it is stored in it (dM's two orientations are summed first: fp32)
@@ -2347,7 +2354,7 @@ def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do,
     dm_buf = torch.empty(B, T, HV, BT, **f32) if delta else None
     _bwd_col_gates[(NV, NT, B * HV)](
         k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps, eps_gamma,
-        cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, **gates, **common_h)
+        cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, NVP=COL_NVP, **gates, **common_h)
     # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a)
     common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 else 32))
     _bwd_col_dqk[(NT, B * HV)](
