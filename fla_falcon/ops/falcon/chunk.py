@@ -430,7 +430,7 @@ def _band_w(wm, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_s, WIN: tl.constexpr, T
 
 @triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
 @triton.jit
-def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
+def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -440,7 +440,8 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
     """Shift, energies, gates and the in-chunk cumulative log-decay G over BT steps; `eta` holds eta (the windowed
     rules: c = eta / B_t). E_GIVEN: the window energies are read from E (falcon3, see _win_gates). WIN_AUX (falcon3a):
     also the log-decay g, the window energy and 1 / B_t per step (gl, Ew, rBw), which _win_weights and the backward
-    read instead of reloading the window's keys."""
+    read instead of reloading the window's keys. PER_COL: also the row gates rg = (lam', 1 / den) per step (0 without
+    a pair), which the backward's _bwd_col_gates reads instead of the keys' energies."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -451,6 +452,10 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw,
     if PER_COL:
         # falcon2a: one gain, step, decay and cumulative log-decay per value column
         b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
+        ok = valid & (b_den > 0)
+        p_rg = rg + ((bos + o_t) * HV + i_hv) * 2
+        tl.store(p_rg, b_lp, mask=m_t)
+        tl.store(p_rg + 1, tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.), mask=m_t)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -1449,18 +1454,18 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
 
 @triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NVP', 'DELTA', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps, eps_gamma,
+def _bwd_col_gates(k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NVP: tl.constexpr,
-                   SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr,
-                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                   SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The per-column rules per chunk, first kernel, one program per NVP value blocks of BV columns (both fixed by
     the host, not tuned: each program writes its own slot of the row partial sums rowp): the per-column decay
     gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the
     gates' chain rule (dbeta and dv written), and this program's share of the per-row sums d(lam') and d(den)
     (rowp[i_vp]: _bwd_col_dqk adds the programs' shares). The keys and the row statistics are loaded once per
-    program and the value blocks taken in a loop. The written vectors are u = eta * val:
+    program and the value blocks taken in a loop; the row gates (lam', 1 / den) are the forward's (rg, _prep_fwd),
+    not recomputed from the keys' energies. The written vectors are u = eta * val:
 
     - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
       which the state path exp(G_C - G) X dh is added here;
@@ -1478,12 +1483,12 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
     o_k = tl.arange(0, BK)
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     dt = b_xl.dtype
-    b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
-    # per-row float factors instead of bool masks: Triton cannot move i1 tensors between layouts
-    # through shared memory, and these rows meet the dot layouts below
-    ok = valid & (b_den > 0)
-    b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
-    b_validf = valid.to(tl.float32)
+    # per-row float factors, not bool masks: Triton cannot move i1 tensors between layouts through shared memory,
+    # and these rows meet the dot layouts below. 1 / den is 0 on rows without a pair (and where den = 0): their
+    # eta and every gradient below are 0
+    p_rg = rg + ((bos + o_t) * HV + i_hv) * 2
+    b_lp = tl.load(p_rg, mask=m_t, other=0)
+    b_rden = tl.load(p_rg + 1, mask=m_t, other=0)
     b_dlp = tl.zeros([BT], dtype=tl.float32)
     b_dden = tl.zeros([BT], dtype=tl.float32)
     for j in range(NVP):
@@ -1520,7 +1525,7 @@ def _bwd_col_gates(k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, d
         b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
         b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
         b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
-        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al)) * b_validf[:, None]
+        b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al))
         b_deta = b_dval * b_val + b_dalpha * b_lp[:, None]
         b_dbeta = b_deta * b_rden[:, None]
         tl.store(dbeta + p_tv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_tv)
@@ -2119,8 +2124,10 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         vn = torch.empty_like(v)
     # falcon3a: the per-step log-decay, window energy and 1 / B (for _win_weights and the backward)
     aux = tuple(torch.empty(B, T, HV, device=dev, dtype=torch.float32) for _ in range(3)) if win else (None,) * 3
+    # the per-column rules: the row gates (lam', 1 / den) for the backward
+    rg = torch.empty(B, T, HV, 2, device=dev, dtype=torch.float32) if per_col else None
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, cu_seqlens, ci, co, eps, eps_gamma, T,
+        k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, rg, cu_seqlens, ci, co, eps, eps_gamma, T,
         PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False,
         WIN_AUX=bool(win), **common)
     wm, eta_gla = None, eta
@@ -2145,7 +2152,7 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         o, o32 = _col_outputs(v)
         _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, v, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
-        return o, ht, (G, eta, o32, None, None, h)
+        return o, ht, (G, eta, o32, rg, None, h)
     o = torch.empty_like(v)
     _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, v, last_k, count, tail_x, tail_v, G, eta_gla, vn, h, wm, o, scale, cu_seqlens, ci, co, T,
@@ -2187,7 +2194,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if win:
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
                               eps_gamma, lam_coupled, win, cu_seqlens, m, common)
-    G, eta, A, W, vn, h = saved
+    G, eta, A, W, vn, h = saved   # per-column rules: (G, eta, o32, rg, None, h)
     du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
                                per_col, 0)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
@@ -2203,8 +2210,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if per_col:
-        o32 = A
-        _bwd_col_grads(q, k, v, v, beta, lam, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
+        o32, rg = A, W
+        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
                        dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     # falcon1's dx and dW pass from _bwd_dqx to _bwd_gates in the inputs' dtype (fla's dw is bf16 too): half the traffic
@@ -2339,7 +2346,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
-def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
+def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
                    dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
     shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam)."""
@@ -2353,8 +2360,8 @@ def _bwd_col_grads(q, k, v, val, beta, lam, last_k, count, G, eta, h, dh, o, do,
     ds_buf = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
     dm_buf = torch.empty(B, T, HV, BT, **f32) if delta else None
     _bwd_col_gates[(NV, NT, B * HV)](
-        k, v, val, beta, lam, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps, eps_gamma,
-        cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, NVP=COL_NVP, **gates, **common_h)
+        k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps_gamma,
+        cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, NVP=COL_NVP, **common_h)
     # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a)
     common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 else 32))
     _bwd_col_dqk[(NT, B * HV)](

@@ -325,8 +325,9 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     f32 = dict(device=dev, dtype=torch.float32)
     G = torch.empty(B, T, HV, V, **f32)
     eta = torch.empty_like(G)
+    rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den) for the backward
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, None, G, eta, None, None, None, cu_seqlens, ci, co, eps, eps_gamma, T,
+        k, v, beta, lam, last_k, count, None, None, G, eta, None, None, None, rg, cu_seqlens, ci, co, eps, eps_gamma, T,
         PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
     BS = min(SUB, m['BT'])
     M = torch.empty(B, T, m['H'], BS, **f32)
@@ -345,12 +346,12 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     o, o32 = _col_outputs(v)
     _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, r, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
-    return o, ht, (M, G, eta, r, h, o32)
+    return o, ht, (M, G, eta, r, h, o32, rg)
 
 
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
                 cu_seqlens, chunk_size):
-    M, G, eta, r, h, o = saved
+    M, G, eta, r, h, o, rg = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -377,7 +378,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)   # stored once from fp32 (see chunk.py's _chunk_bwd)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
-    _bwd_col_grads(q, k, v, r, beta, lam, last_k, count, G, eta, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
+    _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, eta, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
                    scale, eps, eps_gamma, cu_seqlens, ci, co, m, True,
                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
