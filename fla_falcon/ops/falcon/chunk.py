@@ -88,17 +88,18 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # (BV = 64, 4 warps; its autotuning on the H200), where ours ran with 2 stages only
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=s) for s in (2, 3) for bv in (64, 32) for w in (4, 8)]
 CONFIGS_H2 = [c for c in CONFIGS_H if c.num_stages == 2]   # falcon3's _bwd_dhu3: 3 stages need 234 KB at BV = 64
-# the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block (a
-# program takes COL_NVP blocks of BV = COL_BV in a loop, both fixed: each program writes its own slot of per-row
-# sums); the [BT, K] accumulators of the state paths are _bwd_col_dqk's. One kernel with both spilled 280-1080 B per
-# thread at BV = 32-64 (ptxas, K = V = 128 bf16) and took 1316 us of falcon2a's 3455 (2026-12-01 profile). BV = 64
-# (was 32, one block per program: 616 us of falcon2a's 2193, twenty-second lease) with 8 warps holds a block in
-# 216-217 registers without stack (4 warps spill 464-504 B; aot_check sm_90, K = V = 128 bf16); two blocks per
-# program load each chunk's keys and row statistics once for a 128-wide head, where one program per 32-wide block
-# loaded them four times
-COL_BV = 64
-COL_NVP = 2
-CONFIGS_COLG = [triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)]
+# the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block; a program
+# takes COL_NVP blocks of BV = COL_BV in a loop (both fixed: each program writes its own slot of per-row sums), so a
+# 128-wide head's keys are loaded once per chunk. The [BT, K] accumulators of the state paths are _bwd_col_dqk's (one
+# kernel with both spilled 280-1080 B per thread at BV = 32-64). Since the row gates come from the forward (rg), not
+# from an fp32 copy of the key tile, 4 warps hold a 32-wide block in 214-222 registers without stack (aot_check
+# sm_90, K = V = 128 bf16): two programs per SM. Twenty-third lease's sweep (benchmarks/results/sweep/
+# sweep_falcon2a_bwd_col_gates.md, _falcon2_): 0.567 / 0.515 ms (falcon2a / falcon2) at 4 warps, 32 x 4, against
+# 0.623 / 0.630 at 8 warps, 64 x 2, and 0.855 / 0.768 at 8 warps, 32 x 4 (one program per SM); the kernel with
+# one program per 32-wide block and the keys' energies recomputed took 617 / 647 us (twenty-second lease)
+COL_BV = 32
+COL_NVP = 4
+CONFIGS_COLG = [triton.Config({}, num_warps=4, num_stages=2)]
 
 
 # ----------------------------------------------------------------------------------------------
