@@ -2213,7 +2213,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if per_col:
         o32, rg = A, W
         _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
-                       dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
+                       dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     # falcon1's dx and dW pass from _bwd_dqx to _bwd_gates in the inputs' dtype (fla's dw is bf16 too): half the traffic
     dx = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if delta else None
@@ -2348,7 +2348,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
 
 
 def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
-                   dlast_k, scale, eps, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
+                   dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
     shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam)."""
     B, T, HV, V, BT, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'BT', 'NT'))

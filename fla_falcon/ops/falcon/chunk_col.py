@@ -379,6 +379,6 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)   # stored once from fp32 (see chunk.py's _chunk_bwd)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, eta, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
-                   scale, eps, eps_gamma, cu_seqlens, ci, co, m, True,
+                   scale, eps_gamma, cu_seqlens, ci, co, m, True,
                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
