@@ -2221,7 +2221,9 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dw = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if delta else None
     # falcon1a: the transposed intra-chunk product through a scratch buffer, and 32-wide value blocks (its value
     # loop also forms the state path of dU): no register spills at K = V = 128 (255 regs and ~260 B of stack per
-    # thread before; aot_check, sm_90)
+    # thread before; aot_check, sm_90). falcon1 keeps 64-wide blocks up to K = 128; at K = 256 (BK = 256) they need
+    # 240 KB of shared memory with every config, over Hopper's 227 KB (OutOfResources at launch, twenty-fifth lease's
+    # test_gpu_large_heads[falcon1-bf16-256]; aot_check sm_90), so 32 there
     # (in the inputs' dtype: it is only read back as a matmul operand in that dtype)
     ds_buf = None if delta else torch.empty(B, T, HV, BT, device=dev, dtype=q.dtype)
     _bwd_dqx[(NT, B * HV)](
@@ -2229,7 +2231,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
         cu_seqlens, ci, co, T,
         DELTA=delta, WIN=0, **gates,
-        **dict(common, BV=common['BV'] if delta else min(common['BV'], 32)))
+        **dict(common, BV=common['BV'] if delta and common['BK'] <= 128 else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
             k, v, beta, lam, last_k, count, G, A, torch.empty(A.shape, device=dev, dtype=k.dtype), dx, dG, dw, du,
