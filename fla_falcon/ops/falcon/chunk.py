@@ -203,11 +203,47 @@ def _gate(b_beta, b_lp, b_den, valid, eps_gamma):
     b_a = b_eta * b_lp
     clamped = b_a > 1 - eps_gamma
     b_a = tl.minimum(b_a, 1 - eps_gamma)
-    # log1p(-a) accurately in fp32 (Goldberg): log(u) * (-a) / (u - 1) with u = 1 - a rounded
-    b_u = 1 - b_a
-    b_g = tl.where(b_u == 1, -b_a, tl.log(b_u) * (-b_a) / tl.where(b_u == 1, 1., b_u - 1))
-    b_g = tl.where(valid, b_g, 0.)
+    b_g = tl.where(valid, _log1m(b_a), 0.)
     return b_eta, b_a, clamped, b_g
+
+
+@triton.jit
+def _log1m(b_a):
+    """log1p(-a) accurately in fp32 (Goldberg): log(u) * (-a) / (u - 1) with u = 1 - a rounded."""
+    b_u = 1 - b_a
+    return tl.where(b_u == 1, -b_a, tl.log(b_u) * (-b_a) / tl.where(b_u == 1, 1., b_u - 1))
+
+
+@triton.jit
+def _col_gate(b_beta, b_lp, b_rden, eps_gamma):
+    """The per-column rules' gates from beta and the row gates (lam', 1 / den; 1 / den = 0 on rows without a pair):
+    eta = beta / den, alpha = min(eta lam', 1 - eps_gamma), whether the clamp is active and g = log(1 - alpha), all
+    0 without a pair. Elementwise: [rows, 1] row gates against [rows, BV] gains. eta = beta * (1 / den), as the
+    kernels that read eta form it (no division per element), so that G and their eta agree to the bit.
+    (Forming G this way where it is read instead of reading it was slower on the H200, twenty-fourth lease: the
+    cumulative sums and logarithms in _fwd_o_col, _bwd_dv_local_col, _fwd_h, _bwd_dhu and _bwd_col_gates cost more
+    than the fp32 G tiles they saved.)"""
+    b_eta = b_beta * b_rden
+    b_a = b_eta * b_lp
+    clamped = b_a > 1 - eps_gamma
+    b_a = tl.minimum(b_a, 1 - eps_gamma)
+    return b_eta, b_a, clamped, _log1m(b_a)
+
+
+@triton.jit
+def _col_rg(rg, bos, o_t, m_t, i_hv, HV: tl.constexpr):
+    """The row gates (lam', 1 / den) of the rows o_t ([BT] each), stored by _prep_fwd."""
+    p_rg = rg + ((bos + o_t) * HV + i_hv) * 2
+    return tl.load(p_rg, mask=m_t, other=0), tl.load(p_rg + 1, mask=m_t, other=0)
+
+
+@triton.jit
+def _col_eta(beta, rg, p, m, V: tl.constexpr):
+    """eta = beta / den at the offsets p of a [B, T, HV, V] tensor, formed where it is read from beta and the row
+    gates rg: the per-column rules store no fp32 [B, T, HV, V] eta (one write and three reads of it). For one row's
+    columns: tiles take 1 / den as a vector of their rows (_col_rg) instead, since a gathered load per element costs
+    a 64-bit address per element (registers: _bwd_col_dqk spilled 64-120 B at K = V = 128, aot_check sm_90)."""
+    return tl.load(beta + p, mask=m, other=0).to(tl.float32) * tl.load(rg + (p // V) * 2 + 1, mask=m, other=0)
 
 
 @triton.jit
@@ -441,8 +477,8 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg
     """Shift, energies, gates and the in-chunk cumulative log-decay G over BT steps; `eta` holds eta (the windowed
     rules: c = eta / B_t). E_GIVEN: the window energies are read from E (falcon3, see _win_gates). WIN_AUX (falcon3a):
     also the log-decay g, the window energy and 1 / B_t per step (gl, Ew, rBw), which _win_weights and the backward
-    read instead of reloading the window's keys. PER_COL: also the row gates rg = (lam', 1 / den) per step (0 without
-    a pair), which the backward's _bwd_col_gates reads instead of the keys' energies."""
+    read instead of reloading the window's keys. PER_COL: the row gates rg = (lam', 1 / den) per step (0 without a
+    pair) in place of eta, which the kernels form from beta and rg where they read it (eta = beta * (1 / den))."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -452,19 +488,20 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
     if PER_COL:
         # falcon2a: one gain, step, decay and cumulative log-decay per value column
+        # (eta itself is not stored: the kernels form it from beta and the row gates, _col_eta)
         b_E, b_lp, b_den = _stats(b_xl.to(tl.float32), lam, bos, o_t, valid, i_hv, HV, eps, HAS_LAM, LAM_COUPLED)
         ok = valid & (b_den > 0)
+        b_rden = tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.)
         p_rg = rg + ((bos + o_t) * HV + i_hv) * 2
         tl.store(p_rg, b_lp, mask=m_t)
-        tl.store(p_rg + 1, tl.where(ok, 1 / tl.where(ok, b_den, 1.), 0.), mask=m_t)
+        tl.store(p_rg + 1, b_rden, mask=m_t)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
             b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
-            b_eta, b_a, clamped, b_g = _gate(b_beta, b_lp[:, None], b_den[:, None], valid[:, None], eps_gamma)
+            b_eta, b_a, clamped, b_g = _col_gate(b_beta, b_lp[:, None], b_rden[:, None], eps_gamma)
             tl.store(G + p_tv, tl.cumsum(b_g, 0), mask=m_tv)
-            tl.store(eta + p_tv, b_eta, mask=m_tv)
     elif WIN > 0:
         # falcon3a / falcon3: the window energy and B_t; the step weight c_t = eta_t / B_t is what the kernels read
         valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
@@ -681,7 +718,7 @@ def _wy_wu(k, v, last_k, count, G, eta, A, W, U, cu_seqlens, chunk_indices, chun
 
 @triton.autotune(configs=CONFIGS_H, key=['H', 'HV', 'K', 'V', 'BT', 'BK', 'DELTA', 'PER_COL', 'WIN', 'IS_VARLEN'])
 @triton.jit
-def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
+def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm, beta, rg,
            cu_seqlens, chunk_offsets, T,
            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -690,7 +727,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
     """Forward over chunks: h[c] = the state at the start of chunk c, [BK, BV] per program. The rules without a delta
     term may split the key dimension (BK < K, one block per program axis 1): their state's key rows evolve
     independently; falcon1's delta term W S needs all of them (BK covers K). falcon3a: the delayed GLA rows (eta
-    holds mt), and the band's pairs added to the final state."""
+    holds mt), and the band's pairs added to the final state. falcon2a (PER_COL): eta = beta / den formed from beta
+    and the row gates rg, not read."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -714,7 +752,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
         if PER_COL:
             b_G = tl.load(G + p_tv, mask=m_tv, other=0)
             b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=o_v < V, other=0)
-            b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+            b_rd = _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1]
+            b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * b_rd[:, None]
             b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta
             b_u = (b_u * tl.exp(b_Gl[None, :] - b_G)).to(k.dtype.element_ty)
             b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_x), b_u)
@@ -1271,7 +1310,7 @@ CHUNK_SPAN = tl.constexpr(40.0)
 
 
 @triton.jit
-def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m_vc, o_v, m_v,
+def _diag16_offsets(b_acc, b_P, r_p, X, beta, rg, G, b_Gc, bos, row0, i_hv, T, r_c, m_vc, o_v, m_v,
                     HV: tl.constexpr, V: tl.constexpr, FWD: tl.constexpr):
     """b_acc [BV, 16], transposed (columns c: the rows r_c = row0 + 0..15 of one sub-chunk), plus that sub-chunk's
     diagonal block one offset d at a time, elementwise in fp32: the exact path when the decay inside it spans more
@@ -1287,7 +1326,7 @@ def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m
         b_xd = tl.load(X + p_d, mask=m_d1, other=0).to(tl.float32)
         # the exponent is masked to the causal side of real rows: elsewhere it may be large and positive
         if FWD:
-            b_xd = b_xd * tl.load(eta + p_d, mask=m_d1, other=0)
+            b_xd = b_xd * _col_eta(beta, rg, p_d, m_d1, V)
             m_dc = m_vc & ((r_c >= r_d) & ((r_d + r_c * 0) < T))[None, :]
             b_e = tl.where(m_dc, b_Gc - b_Gd[:, None], 0.)
         else:
@@ -1300,7 +1339,7 @@ def _diag16_offsets(b_acc, b_P, r_p, X, eta, G, b_Gc, bos, row0, i_hv, T, r_c, m
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
-def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
+def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o32, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -1331,7 +1370,9 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
     m_vs = m_v[:, None] & m_s[None, :]
     p_vs = ((bos + r_s) * HV + i_hv)[None, :] * V + o_v[:, None]
     b_Gs = tl.load(G + p_vs, mask=m_vs, other=0)
-    b_us = tl.load(v + p_vs, mask=m_vs, other=0).to(tl.float32) * tl.load(eta + p_vs, mask=m_vs, other=0)
+    b_rdT = _col_rg(rg, bos, r_s, m_s, i_hv, HV)[1]
+    b_us = (tl.load(v + p_vs, mask=m_vs, other=0).to(tl.float32) * tl.load(beta + p_vs, mask=m_vs, other=0).to(
+        tl.float32) * b_rdT[None, :])
     b_hT = tl.load(h + ((boh + i_t) * HV + i_hv) * K * V + o_k[None, :] * V + o_v[:, None],
                    mask=m_v[:, None] & m_k[None, :], other=0).to(dt)
     # the whole chunk at once when its decay spans at most CHUNK_SPAN, factored at its first row r
@@ -1375,7 +1416,7 @@ def _fwd_o_col(q, k, v, last_k, count, G, eta, h, o, o32, scale,
             b_o += tl.where(m_vt, tl.dot(b_in.to(dt), b_At.to(dt))
                             * tl.exp(tl.where(m_vt, b_Gt - b_Gr[:, None], 0.)), 0.)
             if span > DIAG_SPAN:
-                b_o = _diag16_offsets(b_o, b_At, r_s, v, eta, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
+                b_o = _diag16_offsets(b_o, b_At, r_s, v, beta, rg, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
                                       m_v, HV, V, True)
             b_o = b_o * scale
             tl.store(o + p_vt, b_o.to(o.dtype.element_ty), mask=m_vt)
@@ -1448,7 +1489,7 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
             b_du = tl.where(m_vs, tl.dot(b_in.to(dt), b_A.to(dt))
                             * tl.exp(tl.where(m_vs, b_Gl[:, None] - b_Gs, 0.)), 0.)
             if span > DIAG_SPAN:
-                b_du = _diag16_offsets(b_du, b_A, r_t, do, do, G, b_Gs, bos, f, i_hv, T, r_s, m_vs, o_v,
+                b_du = _diag16_offsets(b_du, b_A, r_t, do, None, None, G, b_Gs, bos, f, i_hv, T, r_s, m_vs, o_v,
                                        m_v, HV, V, False)
             tl.store(du + p_vs, b_du * scale, mask=m_vs)
 
@@ -1540,15 +1581,16 @@ def _bwd_col_gates(k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv
 
 
 @triton.jit
-def _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _col_rows(G, beta, b_rd, val, i_v, bos, o_t, m_t, i_hv, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """Value block i_v of a chunk's rows o_t: its columns and their mask, the rows' mask [BT, BV], G and the
-    written vectors u = eta * val (fp32)."""
+    written vectors u = eta * val (fp32), eta = beta / den with the rows' 1 / den b_rd."""
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_sv = m_t[:, None] & m_v[None, :]
     p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
     b_G = tl.load(G + p_sv, mask=m_sv, other=0)
-    b_u = tl.load(eta + p_sv, mask=m_sv, other=0) * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32)
+    b_u = (tl.load(beta + p_sv, mask=m_sv, other=0).to(tl.float32) * b_rd[:, None]
+           * tl.load(val + p_sv, mask=m_sv, other=0).to(tl.float32))
     return o_v, m_v, m_sv, b_G, b_u
 
 
@@ -1556,7 +1598,7 @@ def _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV: tl.constexpr, V: tl.con
 @triton.autotune(configs=[triton.Config({}, num_warps=8, num_stages=s) for s in (1, 2)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NV_ROW', 'DELTA', 'HAS_LAM', 'LAM_COUPLED', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, NTOK, ds_buf, dm_buf,
+def _bwd_col_dqk(q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, rowp, NTOK, ds_buf, dm_buf,
                  dq, dk, dlast_k, dlam, scale, cu_seqlens, chunk_indices, chunk_offsets, T,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV_ROW: tl.constexpr,
@@ -1585,6 +1627,9 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
+    # the rows' 1 / den (eta = beta / den), for the tiles of rows o_t and (loaded again: another layout) transposed
+    b_rd = _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1]
+    b_rdT = _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1]
     # the whole chunk at once when its decay spans at most CHUNK_SPAN in every column, factored at its first row r
     # (falcon2: with Gx at the first row, 0, in the span)
     last = min(i_t * BT + BT, T) - 1
@@ -1605,7 +1650,7 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
             b_dx = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             # the chunk's rows s [BT, BV]
-            o_v, m_v, m_sv, b_G, b_u = _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
+            o_v, m_v, m_sv, b_G, b_u = _col_rows(G, beta, b_rd, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
             b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
             b_ur = tl.where(m_sv, b_u * tl.exp(tl.where(m_sv, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
             if DELTA:
@@ -1616,13 +1661,14 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
                 b_dor = tl.where(m_vt, tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32) * tl.exp(
                     tl.where(m_vt, tl.load(G + p_vt, mask=m_vt, other=0) - b_Gr[:, None], 0.)), 0.)
                 b_dsT += tl.dot(b_ur, b_dor.to(dt))
-                b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
+                b_aT = (tl.load(beta + p_vt, mask=m_vt, other=0).to(tl.float32) * b_rdT[None, :]
+                        * tl.load(dval + p_vt, mask=m_vt, other=0))
                 b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (o_t > i_t * BT)[None, :], other=0)
                 b_ar = tl.where(m_vt, b_aT * tl.exp(tl.where(m_vt, b_GxT - b_Gr[:, None], 0.)), 0.)
                 b_dmT += tl.dot(b_ur, b_ar.to(dt))
             else:
                 # falcon2a: the rows t from the same tiles (tl.trans of loaded tiles, not of a dot result), and the
-                # chunk-start state's paths (the pass below) in this one: G, eta, val and do read once, not two or
+                # chunk-start state's paths (the pass below) in this one: G, beta, val and do read once, not two or
                 # three times
                 p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
                 b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
@@ -1646,11 +1692,12 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
             f = i_t * BT + a * 16
             r_a = f + o_c
             m_a = r_a < T
+            b_rda = _col_rg(rg, bos, r_a, m_a, i_hv, HV)[1]
             b_dsT = tl.zeros([BT, 16], dtype=tl.float32)
             b_dmT = tl.zeros([BT, 16], dtype=tl.float32)
             for i_v in range(tl.cdiv(V, BV)):
                 # the chunk's rows s [BT, BV]; a's rows t transposed [BV, 16]
-                o_v, m_v, m_sv, b_G, b_u = _col_rows(G, eta, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
+                o_v, m_v, m_sv, b_G, b_u = _col_rows(G, beta, b_rd, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
                 m_vt = m_v[:, None] & m_a[None, :]
                 p_vt = ((bos + r_a) * HV + i_hv)[None, :] * V + o_v[:, None]
                 b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
@@ -1658,7 +1705,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
                 b_Gf = tl.load(G + ((bos + f) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) < T), other=0)
                 span = tl.max(tl.max(tl.where(m_vt, b_Gf[:, None] - b_GtT, 0.), 1), 0)
                 if DELTA:
-                    b_aT = tl.load(eta + p_vt, mask=m_vt, other=0) * tl.load(dval + p_vt, mask=m_vt, other=0)
+                    b_aT = (tl.load(beta + p_vt, mask=m_vt, other=0).to(tl.float32) * b_rda[None, :]
+                            * tl.load(dval + p_vt, mask=m_vt, other=0))
                     # Gx_t = G_{t-1} (0 before the chunk's first row: G is the chunk-local cumsum)
                     b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (r_a > i_t * BT)[None, :], other=0)
                     span = tl.maximum(span, tl.max(tl.max(tl.where(m_vt, b_GxT - b_Gf[:, None], 0.), 1), 0))
@@ -1683,8 +1731,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
                         p_d = ((bos + r_d) * HV + i_hv) * V + o_v
                         m_d1 = m_v & ((r_d + o_v * 0) < T)
                         b_Gd = tl.load(G + p_d, mask=m_d1, other=0)
-                        b_ud = (tl.load(eta + p_d, mask=m_d1, other=0)
-                                * tl.load(val + p_d, mask=m_d1, other=0).to(tl.float32))
+                        b_ud = _col_eta(beta, rg, p_d, m_d1, V) * tl.load(val + p_d, mask=m_d1, other=0).to(
+                            tl.float32)
                         m_dt = m_vt & ((r_a >= r_d) & ((r_d + o_c * 0) < T))[None, :]
                         b_sum = tl.sum(tl.where(m_dt, b_doT * b_ud[:, None]
                                                 * tl.exp(tl.where(m_dt, b_GtT - b_Gd[:, None], 0.)), 0.), 0)
@@ -1718,7 +1766,7 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, N
             p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
             b_G = tl.load(G + p_tv, mask=m_tv, other=0)
             b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-            b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+            b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * b_rd[:, None]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
             b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
             b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
@@ -2116,7 +2164,8 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SHIFT=int(shift), USE_INITIAL_STATE=use_init,
                   IS_VARLEN=cu_seqlens is not None)
     G = torch.empty(B, T, HV, *((V,) if per_col else ()), device=dev, dtype=torch.float32)
-    eta = torch.empty_like(G)
+    # (the per-column rules form eta where they read it, from beta and rg below: _col_eta)
+    eta = None if per_col else torch.empty_like(G)
     A = W = U = vn = None
     if delta:
         A = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
@@ -2147,13 +2196,14 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
     _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, cu_seqlens, co, T,
+        k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, beta, rg, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
     if per_col:
         o, o32 = _col_outputs(v)
         _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, v, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
-        return o, ht, (G, eta, o32, rg, None, h)
+            q, k, v, last_k, count, G, beta, rg, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o,
+            **common)
+        return o, ht, (G, None, o32, rg, None, h)
     o = torch.empty_like(v)
     _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, v, last_k, count, tail_x, tail_v, G, eta_gla, vn, h, wm, o, scale, cu_seqlens, ci, co, T,
@@ -2195,7 +2245,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if win:
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
                               eps_gamma, lam_coupled, win, cu_seqlens, m, common)
-    G, eta, A, W, vn, h = saved   # per-column rules: (G, eta, o32, rg, None, h)
+    G, eta, A, W, vn, h = saved   # per-column rules: (G, None, o32, rg, None, h)
     du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
                                per_col, 0)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
@@ -2212,7 +2262,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if per_col:
         o32, rg = A, W
-        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, eta, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
+        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
                        dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     # falcon1's dx and dW pass from _bwd_dqx to _bwd_gates in the inputs' dtype (fla's dw is bf16 too): half the traffic
@@ -2349,7 +2399,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
-def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, eta, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
+def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
                    dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
     shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam)."""
@@ -2368,7 +2418,7 @@ def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, eta, h, dh, o,
     # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a)
     common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 else 32))
     _bwd_col_dqk[(NT, B * HV)](
-        q, k, val, lam, last_k, count, G, eta, h, dh, do, dval, rowp, B * T, ds_buf, dm_buf, dq, dk, dlast_k, dlam,
+        q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, rowp, B * T, ds_buf, dm_buf, dq, dk, dlast_k, dlam,
         scale, cu_seqlens, ci, co, T, NV_ROW=NV, DELTA=delta, **gates, **common_d)
 
 

@@ -42,11 +42,12 @@ Backward, per chunk and column, with ``du`` the direct gradient of u (the output
 then the gates' chain rule as for falcon2a (reverse cumsum, log1p(-alpha), the clamp, eta, E, lam,
 lam_coupled) and the key gradient shifted back onto k / the carried last key.
 
-Kernels: ``_prep_fwd`` (chunk.py: shift, gates, G, eta per column), ``_gram`` (the key Gram of each
-16-row block, once per key head, kept for the backward), ``_fwd_h_delta_col`` (sequential: chunk-start
-states, the solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r); backward ``_bwd_dv_local_col``
-(chunk.py), ``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed solve), ``_bwd_col_gates``
-and ``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam).
+Kernels: ``_prep_fwd`` (chunk.py: shift, the row gates, G per column; eta = beta / den is formed where it
+is read), ``_gram`` (the key Gram of each 16-row block, once per key head, kept for the backward),
+``_fwd_h_delta_col`` (sequential: chunk-start states, the solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r);
+backward ``_bwd_dv_local_col`` (chunk.py), ``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed
+solve), ``_bwd_col_gates`` and ``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv,
+dbeta, dlam).
 
 The sequential kernels solve a chunk in blocks of 16 rows. A block's rows see the earlier blocks through
 the state at the end of the previous block, ``S_ref``: ``p_t = exp(Gx_t - G_ref) x_t . S_ref + (the
@@ -72,6 +73,7 @@ from fla_falcon.ops.falcon.chunk import (
     _bwd_col_grads,
     _bwd_dv_local_col,
     _col_outputs,
+    _col_rg,
     _fwd_o_col,
     _load_x,
     _meta,
@@ -102,12 +104,12 @@ def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
 
 
 @triton.jit
-def _block_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, c0, T, o_b, o_v, m_v,
+def _block_rows(k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, c0, T, o_b, o_v, m_v,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BS: tl.constexpr,
                 BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """One BS-row block of a chunk starting at row r0 (the chunk at c0): its keys x, the tile offsets and mask,
-    G, Gx (G of the row before, 0 before the chunk), eta, G of the block's last row and of the row before the block
-    (0 for the first)."""
+    G, Gx (G of the row before, 0 before the chunk), eta (= beta / den, formed here from beta and the row gates rg),
+    G of the block's last row and of the row before the block (0 for the first)."""
     o_t = r0 + o_b
     m_t = o_t < T
     b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
@@ -115,7 +117,7 @@ def _block_rows(k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, c0, T, o_b, o
     p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
     b_G = tl.load(G + p_tv, mask=m_tv, other=0)
     b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_t > c0)[:, None], other=0)
-    b_eta = tl.load(eta + p_tv, mask=m_tv, other=0)
+    b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1][:, None]
     last = min(r0 + BS, T) - 1
     b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
     b_Gr = tl.load(G + ((bos + r0 - 1) * HV + i_hv) * V + o_v, mask=m_v & ((r0 + o_v * 0) > c0),
@@ -180,7 +182,7 @@ CONFIGS_COL_H = [triton.Config({'BV': bv, 'UNROLL': u}, num_warps=w, num_stages=
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
-def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
+def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
                      cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -212,7 +214,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
             r0 = i_t * BT + i_s * BS
             if r0 < T:
                 b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
-                    k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                    k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
                 b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
                 # the residual against the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
@@ -238,7 +240,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, eta, h, h0, ht, r,
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale,
+def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht, dh0, scale,
                        cu_seqlens, chunk_offsets, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -273,7 +275,7 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0,
             r0 = i_t * BT + i_s * BS
             if r0 < T:
                 b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
-                    k, last_k, count, G, eta, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                    k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
                 b_q = tl.load(q + ((bos + r0 + o_b) * H + i_h)[:, None] * K + o_k[None, :],
                               mask=((r0 + o_b) < T)[:, None] & (o_k < K)[None, :], other=0)
@@ -324,10 +326,10 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     common = _common(m, shift, S0 is not None, cu_seqlens)
     f32 = dict(device=dev, dtype=torch.float32)
     G = torch.empty(B, T, HV, V, **f32)
-    eta = torch.empty_like(G)
-    rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den) for the backward
+    rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den): eta = beta / den is formed where it is read
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, None, G, eta, None, None, None, rg, cu_seqlens, ci, co, eps, eps_gamma, T,
+        k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, cu_seqlens, ci, co, eps, eps_gamma,
+        T,
         PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
     BS = min(SUB, m['BT'])
     M = torch.empty(B, T, m['H'], BS, **f32)
@@ -339,19 +341,19 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     r = torch.empty(B, T, HV, V, **f32)
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        k, v, last_k, count, M, G, eta, h, S0, ht, r, cu_seqlens, co, T, BS=BS, STORE_FINAL_STATE=output_final_state,
-        **common_h)
-    # falcon2a's output kernel reads u = v * eta: fed the residual, it reads u = eta r (and writes the output's
+        k, v, last_k, count, M, G, beta, rg, h, S0, ht, r, cu_seqlens, co, T, BS=BS,
+        STORE_FINAL_STATE=output_final_state, **common_h)
+    # falcon2a's output kernel forms u = eta v: fed the residual, it forms u = eta r (and writes the output's
     # fp32 copy for the decay gradient)
     o, o32 = _col_outputs(v)
     _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, r, last_k, count, G, eta, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
-    return o, ht, (M, G, eta, r, h, o32, rg)
+        q, k, r, last_k, count, G, beta, rg, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
+    return o, ht, (M, G, r, h, o32, rg)
 
 
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
                 cu_seqlens, chunk_size):
-    M, G, eta, r, h, o, rg = saved
+    M, G, r, h, o, rg = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -368,7 +370,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        q, k, last_k, count, M, G, eta, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
+        q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
         USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
@@ -378,7 +380,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)   # stored once from fp32 (see chunk.py's _chunk_bwd)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
-    _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, eta, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
+    _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, h, dh, o, do, dr, dv, dq, dk, dbeta, dlam, dlast_k,
                    scale, eps_gamma, cu_seqlens, ci, co, m, True,
                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
