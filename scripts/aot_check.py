@@ -4,8 +4,9 @@
 Runs the real op wrappers on small CPU tensors with a stand-in Triton driver that reports the
 target (default sm_90a, an H100/H200) and turns every kernel launch into a compile-only
 ``warmup``; autotuned kernels compile every config. Each compiled kernel's register use and
-spills come from ``cuobjdump --dump-resource-usage`` on its cubin. It catches compiler crashes,
-register spills and shared-memory slots that an asynchronous wgmma still reads when the pipeliner's
+spills come from ``cuobjdump --dump-resource-usage`` on its cubin, and its PTX says how many global loads stayed
+synchronous (``ld.global``) and how many became the pipeliner's asynchronous copies (``cp.async``). It catches
+compiler crashes, register spills and shared-memory slots that an asynchronous wgmma still reads when the pipeliner's
 next copy lands in them (scripts/wgmma_hazards.py) before any GPU time is spent; it cannot catch
 other wrong results (miscompiles): those need the GPU tests.
 
@@ -108,6 +109,11 @@ def install(arch: int) -> None:
             # the older mma.sync (about half the throughput)
             ptx = kernel.asm.get('ptx', '')
             rec['mma'] = f"wgmma={ptx.count('wgmma.mma_async')} mma={ptx.count('mma.sync')}"
+            # global loads the pipeliner turned into asynchronous copies (prefetched a loop iteration ahead) against
+            # those left synchronous: a loop whose loads all stay synchronous (e.g. inside a runtime branch: falcon2's
+            # sequential kernels before GUARD) waits for them on every iteration
+            n_async = ptx.count('cp.async.ca') + ptx.count('cp.async.cg')
+            rec['loads'] = f"ld.global={ptx.count('ld.global')} cp.async={n_async}"
             # an async wgmma's operand overwritten by the pipeliner's next copy (Triton 3.6: scripts/wgmma_hazards.py)
             hazards = war_hazards(kernel.asm.get('ttgir', ''))
             if hazards:
@@ -124,7 +130,8 @@ def install(arch: int) -> None:
             COMPILED.append(rec)
             status = 'ok' if rec['ok'] else 'FAILED ' + rec['error']
             print(f"  {name:28s} {str(cfg):60s} regs={rec.get('regs')} stack={rec.get('stack')} "
-                  f"smem={rec.get('shared')} {rec.get('mma', '')} {rec.get('secs', 0):.1f}s {status}", flush=True)
+                  f"smem={rec.get('shared')} {rec.get('mma', '')} {rec.get('loads', '')} {rec.get('secs', 0):.1f}s "
+                  f"{status}", flush=True)
         return None
 
     JITFunction.run = run
