@@ -110,8 +110,8 @@ def install(arch: int) -> None:
             ptx = kernel.asm.get('ptx', '')
             rec['mma'] = f"wgmma={ptx.count('wgmma.mma_async')} mma={ptx.count('mma.sync')}"
             # global loads the pipeliner turned into asynchronous copies (prefetched a loop iteration ahead) against
-            # those left synchronous: a loop whose loads all stay synchronous (e.g. inside a runtime branch: falcon2's
-            # sequential kernels before GUARD) waits for them on every iteration
+            # those left synchronous: a loop whose loads all stay synchronous (e.g. inside a runtime branch, as in
+            # falcon2's sequential kernels' `if r0 < T` blocks) waits for them on every iteration
             n_async = ptx.count('cp.async.ca') + ptx.count('cp.async.cg')
             rec['loads'] = f"ld.global={ptx.count('ld.global')} cp.async={n_async}"
             # an async wgmma's operand overwritten by the pipeliner's next copy (Triton 3.6: scripts/wgmma_hazards.py)
