@@ -63,6 +63,10 @@ def test_sweep_configs_compares_each_config_with_the_first(tmp_path):
     assert rows[2]['max_rel_diff'] < 1e-5, rows[2]   # another value-block width: the same sums, regrouped
     assert rows[3]['max_rel_diff'] > 1e-2, rows[3]
     assert all(r['outputs'] >= 4 for r in rows), rows
+    # what a config leaves out is the autotuner's choice (not Triton's launch defaults), and the rows say so
+    best = sc.find_kernel('_bwd_gates').best_config
+    assert rows[0]['config'] == dict(best.kwargs, num_warps=4, num_stages=best.num_stages), rows[0]
+    assert rows[2]['config']['BV'] == 16 and rows[2]['config']['num_warps'] == best.num_warps, rows[2]
 
 
 def test_diag_rows_locates_errors(tmp_path, capsys):
