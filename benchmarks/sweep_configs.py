@@ -14,8 +14,8 @@ without touching the autotune lists, and checks each config on the GPU at that s
 A config is ``name=value`` pairs: num_warps, num_stages, maxnreg, or any constexpr of the kernel (``BV=32``,
 ``UNROLL=1``). What a config leaves out is taken from the config the autotuner chose for this launch, not from
 Triton's launch defaults (num_stages=3 there: a sweep that left num_stages out once timed a pipelined variant at
-three stages against an autotune list of two, 1.82 against 1.19 ms); the table lists every setting launched. Ops are benchmarks/benchmark_chunk.py's (Falcon rules by rule name). Writes sweep_<op>_<kernel>.json
-and .md in --out.
+three stages against an autotune list of two, 1.82 against 1.19 ms); the table lists every setting launched. Ops
+are benchmarks/benchmark_chunk.py's (Falcon rules by rule name). Writes sweep_<op>_<kernel>.json and .md in --out.
 """
 
 from __future__ import annotations
