@@ -57,16 +57,21 @@ def parse_config(text: str) -> dict:
 
 
 def capture(kernel: Autotuner, step) -> dict:
-    """Runs step() and records the kernel's first launch in it: positional args, launch kwargs (grid included) and a
-    copy of every tensor argument as it was before the launch."""
+    """Runs step() and records the kernel's first launch in it: positional args, launch kwargs (grid included), a
+    copy of every tensor argument as it was before the launch and the config the autotuner chose for it."""
     orig = kernel.run
     seen = {}
 
     def run(*args, **kwargs):
-        if not seen:
+        first = not seen
+        if first:
             seen.update(args=args, kwargs=kwargs,
                         before={i: a.clone() for i, a in enumerate(args) if isinstance(a, torch.Tensor)})
-        return orig(*args, **kwargs)
+        out = orig(*args, **kwargs)
+        if first:
+            # this launch's choice (a later launch with another autotune key would overwrite best_config)
+            seen['config'] = kernel.best_config
+        return out
     kernel.run = run
     try:
         step()
@@ -77,9 +82,10 @@ def capture(kernel: Autotuner, step) -> dict:
     return seen
 
 
-def full_config(kernel: Autotuner, cfg: dict) -> dict:
-    """cfg completed with the autotuner's chosen config (its constexprs and launch options) for what cfg leaves out."""
-    base = getattr(kernel, 'best_config', None) or kernel.configs[0]
+def full_config(seen: dict, cfg: dict) -> dict:
+    """cfg completed with the config the autotuner chose for the captured launch (its constexprs and launch options)
+    for what cfg leaves out."""
+    base = seen['config']
     keep = (*base.kwargs, 'num_warps', 'num_stages', 'maxnreg')
     full = {k: v for k, v in base.all_kwargs().items() if k in keep and v is not None}
     full.update(cfg)
@@ -116,7 +122,7 @@ def sweep(op: str, kernel_name: str, shape, configs, window: int = 4, time: bool
     seen = capture(kernel, step)
     rows, ref = [], None
     for cfg in configs:
-        cfg = full_config(kernel, cfg)
+        cfg = full_config(seen, cfg)
         restore(seen)
         try:
             launch(kernel, seen, cfg)
