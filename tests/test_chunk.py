@@ -162,8 +162,9 @@ def _state_kernel_configs():
                                    ('falcon2', 'fwd_h_delta_col bwd_dhu_delta_col', col.CONFIGS_COL_H)):
         seen = set()
         for cfg in configs:
-            # the interpreter runs every config the same but for its block sizes and constexprs (falcon2's UNROLL)
-            tag = (cfg.kwargs['BV'], cfg.kwargs.get('UNROLL', False))
+            # the interpreter runs every config the same but for its block sizes and constexprs (falcon2's UNROLL,
+            # GUARD)
+            tag = (cfg.kwargs['BV'], cfg.kwargs.get('UNROLL', False), cfg.kwargs.get('GUARD', True))
             if DEVICE == 'cuda':
                 tag += (cfg.num_warps, cfg.num_stages)
             if tag not in seen:
@@ -174,7 +175,8 @@ def _state_kernel_configs():
 
 @pytest.mark.parametrize('rule, kernels, cfg', _state_kernel_configs())
 def test_state_kernel_configs(rule, kernels, cfg, device, monkeypatch):
-    # V = 40: one, two or three value blocks (the last one partial) at BV = 64, 32, 16
+    # V = 40: one, two or three value blocks (the last one partial) at BV = 64, 32, 16; falcon2: 64-row chunks of four
+    # 16-row substitution blocks, T = 100 ending in a partial block (96-99) and one past the end (112-127)
     import fla_falcon.ops.falcon.chunk as ch
     import fla_falcon.ops.falcon.chunk_col as col
     patched = [getattr(ch if hasattr(ch, '_' + name) else col, '_' + name) for name in kernels.split()]
@@ -182,8 +184,9 @@ def test_state_kernel_configs(rule, kernels, cfg, device, monkeypatch):
         monkeypatch.setattr(kernel, 'configs', [cfg])
         monkeypatch.setattr(kernel, 'best_config', None, raising=False)
     w = win(rule)
-    inputs = make_inputs(rule, 1, 40, 1, 2, 16, 40, 'on', True, device, seed=5, window=w)
-    check(run_both(rule, *inputs, torch.float32, chunk_size=16, window=w), torch.float32)
+    T, chunk_size = (100, 64) if rule == 'falcon2' else (40, 16)
+    inputs = make_inputs(rule, 1, T, 1, 2, 16, 40, 'on', True, device, seed=5, window=w)
+    check(run_both(rule, *inputs, torch.float32, chunk_size=chunk_size, window=w), torch.float32)
     assert all(kernel.best_config is cfg for kernel in patched)   # the config under test is the one that ran
 
 

@@ -109,7 +109,9 @@ def _block_rows(k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, c0, T, o
                 BK: tl.constexpr, SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
     """One BS-row block of a chunk starting at row r0 (the chunk at c0): its keys x, the tile offsets and mask,
     G, Gx (G of the row before, 0 before the chunk), eta (= beta / den, formed here from beta and the row gates rg),
-    G of the block's last row and of the row before the block (0 for the first)."""
+    G of the block's last row and of the row before the block (0 for the first). A block past the sequence's end
+    (GUARD=False runs it) reads nothing: every tile is 0 and both G rows 0, so its state factor is 1 and it writes
+    nothing into the state."""
     o_t = r0 + o_b
     m_t = o_t < T
     b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
@@ -119,8 +121,8 @@ def _block_rows(k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, c0, T, o
     b_Gx = tl.load(G + p_tv - HV * V, mask=m_tv & (o_t > c0)[:, None], other=0)
     b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1][:, None]
     last = min(r0 + BS, T) - 1
-    b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-    b_Gr = tl.load(G + ((bos + r0 - 1) * HV + i_hv) * V + o_v, mask=m_v & ((r0 + o_v * 0) > c0),
+    b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v & ((r0 + o_v * 0) < T), other=0)
+    b_Gr = tl.load(G + ((bos + r0 - 1) * HV + i_hv) * V + o_v, mask=m_v & ((r0 + o_v * 0) > c0) & ((r0 + o_v * 0) < T),
                    other=0)
     return b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr
 
@@ -176,8 +178,13 @@ def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_
 # shared with six training runs, so ratios only; outputs equal to the loop's within 4e-7) it took _fwd_h_delta_col
 # from 9.05 to 4.37 ms at BV = 32 / 4 warps and from 6.25 to 4.14 at BV = 16 / 2 warps, _bwd_dhu_delta_col from
 # 7.49 to 6.80 and 12.6 to 10.0; at BV = 64 the unrolled forward was slower (6.69 against 5.90 ms).
-CONFIGS_COL_H = [triton.Config({'BV': bv, 'UNROLL': u}, num_warps=w, num_stages=2)
-                 for bv, w, u in ((64, 4, False), (32, 4, True), (16, 2, True), (16, 1, False))]
+# GUARD=False: the chunk's blocks without the `if r0 < T` around each (a block past the end is masked to a no-op), so
+# that a chunk's four blocks are one branch-free stretch in which the compiler may issue a block's loads (keys, G, v,
+# beta, the Gram columns) before the previous block's substitution ends: with the branches, each block's loads wait
+# for the chain before them (no cp.async pipelining either: the loads sit inside scf.if).
+CONFIGS_COL_H = [triton.Config({'BV': bv, 'UNROLL': u, 'GUARD': g}, num_warps=w, num_stages=2)
+                 for bv, w, u, g in ((32, 4, True, False), (64, 4, False, True), (32, 4, True, True),
+                                     (16, 2, True, True), (16, 1, False, True))]
 
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
@@ -187,7 +194,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False):
+                     IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False, GUARD: tl.constexpr = True):
     """Sequential over chunks: stores the chunk-start states h, solves (I + L_c) u_c = rhs_c for a block
     of value columns, stores the residual r (u = eta r), advances the state.
 
@@ -212,7 +219,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
         tl.store(h + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
         for i_s in tl.static_range(BT // BS):
             r0 = i_t * BT + i_s * BS
-            if r0 < T:
+            if (r0 < T) | (not GUARD):
                 b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
                     k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
@@ -245,7 +252,8 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False):
+                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False,
+                       GUARD: tl.constexpr = True):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
     plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
     dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs).
@@ -273,7 +281,7 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht,
         for i_sr in tl.static_range(BT // BS):
             i_s = BT // BS - 1 - i_sr
             r0 = i_t * BT + i_s * BS
-            if r0 < T:
+            if (r0 < T) | (not GUARD):
                 b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
                     k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
                     H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
