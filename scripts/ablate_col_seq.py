@@ -3,8 +3,8 @@
 taken out in turn (a diagnostic; the ablated variants compute wrong results on purpose).
 
 Each variant is a copy of fla_falcon/ops/falcon/chunk_col.py with one part of the per-block chain removed by a
-text edit, loaded as its own module (its kernels compile anew, one config: BV = 32, 4 warps, unrolled, the one the
-H200 autotunes to) and put in place of chunk_col's falcon2 functions for chunk_falcon. The device time of the two
+text edit, loaded as its own module (its kernels compile anew, one config: BV = 32, 4 warps, the one the H200
+runs) and put in place of chunk_col's falcon2 functions for chunk_falcon. The device time of the two
 sequential kernels per forward+backward comes from torch.profiler (benchmark_chunk.profile_kernels); a part's cost
 is the base time minus the variant's (the parts are on one dependent chain, so they need not add up).
 
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import fla_falcon.ops.falcon.chunk_col as chunk_col  # noqa: E402
 from benchmark_chunk import make_cases, profile_kernels  # noqa: E402
 
-ONE_CONFIG = "CONFIGS_COL_H = [triton.Config({'BV': 32, 'UNROLL': True}, num_warps=4, num_stages=2)]\n"
+ONE_CONFIG = "CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]\n"
 # (old text, new text) per variant; every old text must occur exactly once in chunk_col.py
 VARIANTS = {
     'base': [],

@@ -162,9 +162,8 @@ def _state_kernel_configs():
                                    ('falcon2', 'fwd_h_delta_col bwd_dhu_delta_col', col.CONFIGS_COL_H)):
         seen = set()
         for cfg in configs:
-            # the interpreter runs every config the same but for its block sizes and constexprs (falcon2's UNROLL,
-            # GUARD)
-            tag = (cfg.kwargs['BV'], cfg.kwargs.get('UNROLL', False), cfg.kwargs.get('GUARD', True))
+            # the interpreter runs every config the same but for its block sizes
+            tag = (cfg.kwargs['BV'],)
             if DEVICE == 'cuda':
                 tag += (cfg.num_warps, cfg.num_stages)
             if tag not in seen:

@@ -110,8 +110,8 @@ def _block_rows(k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, c0, T, o
     """One BS-row block of a chunk starting at row r0 (the chunk at c0): its keys x, the tile offsets and mask,
     G, Gx (G of the row before, 0 before the chunk), eta (= beta / den, formed here from beta and the row gates rg),
     G of the block's last row and of the row before the block (0 for the first). A block past the sequence's end
-    (GUARD=False runs it) reads nothing: every tile is 0 and both G rows 0, so its state factor is 1 and it writes
-    nothing into the state."""
+    (the sequential kernels run it: no branch) reads nothing: every tile is 0 and both G rows 0, so its state
+    factor is 1 and it writes nothing into the state."""
     o_t = r0 + o_b
     m_t = o_t < T
     b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
@@ -174,17 +174,18 @@ def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_
 # With the step coefficients loaded from memory (_step_coefs; eleventh lease, GPU shared with other jobs, so only
 # the ratios count) BV = 32 on 4 warps was the fastest: 2.4x the old kernel's time at that config, 1.3x its best.
 # (BV = 32 on 2 warps spills 0.3-3.7 KB per thread, aot_check sm_90; BV = 16 on 2 warps at most 232 B.)
-# UNROLL (the substitution's BS steps unrolled): in the thirteenth lease's sweep (benchmarks/sweep_configs.py, GPU
-# shared with six training runs, so ratios only; outputs equal to the loop's within 4e-7) it took _fwd_h_delta_col
-# from 9.05 to 4.37 ms at BV = 32 / 4 warps and from 6.25 to 4.14 at BV = 16 / 2 warps, _bwd_dhu_delta_col from
-# 7.49 to 6.80 and 12.6 to 10.0; at BV = 64 the unrolled forward was slower (6.69 against 5.90 ms).
-# GUARD=False: the chunk's blocks without the `if r0 < T` around each (a block past the end is masked to a no-op), so
-# that a chunk's four blocks are one branch-free stretch in which the compiler may issue a block's loads (keys, G, v,
-# beta, the Gram columns) before the previous block's substitution ends: with the branches, each block's loads wait
-# for the chain before them (no cp.async pipelining either: the loads sit inside scf.if).
-CONFIGS_COL_H = [triton.Config({'BV': bv, 'UNROLL': u, 'GUARD': g}, num_warps=w, num_stages=2)
-                 for bv, w, u, g in ((32, 4, True, False), (64, 4, False, True), (32, 4, True, True),
-                                     (16, 2, True, True), (16, 1, False, True))]
+# The substitution's BS steps are unrolled (tl.static_range): in the thirteenth lease's sweep (GPU shared, ratios
+# only) that took _fwd_h_delta_col from 9.05 to 4.37 ms at BV = 32 / 4 warps, _bwd_dhu_delta_col from 7.49 to 6.80.
+# A chunk's four blocks carry no `if r0 < T` (a block past the end is masked to a no-op, _block_rows): one
+# branch-free stretch, so the compiler issues a block's loads (keys, G, v, beta, the Gram columns) before the
+# previous block's substitution ends, where with the branches each block's loads waited for the chain before them
+# (loads inside scf.if are not pipelined). At (4, 4096, 16, 128, 128) bf16 on the H200 (twenty-eighth lease)
+# _fwd_h_delta_col 1409 -> 1202 us, _bwd_dhu_delta_col 1764 -> 1213 us; the autotuner chose it over the branched
+# configs (BV = 64 / 4 warps rolled, 32 / 4 and 16 / 2 unrolled, 16 / 1 rolled). The twenty-ninth lease timed the
+# same substitution on separate [BV] row vectors (tl.split of the tiles, the Gram coefficients as scalars: no
+# cross-thread reduction per step; benchmarks/results/dead_ends/col_rows.patch) at 1.53-3.06 ms forward and
+# 1.64-3.07 ms backward on BV = 16-64, against 1.187 / 1.198 ms for this form: BV = 32 on 4 warps is the one config.
+CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]
 
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
@@ -194,14 +195,14 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False, GUARD: tl.constexpr = True):
+                     IS_VARLEN: tl.constexpr):
     """Sequential over chunks: stores the chunk-start states h, solves (I + L_c) u_c = rhs_c for a block
     of value columns, stores the residual r (u = eta r), advances the state.
 
     The solve runs block by block (BS rows): the history of the earlier blocks reaches a row through the
     state at the end of the previous block, S_ref (a [BS, K] x [K, BV] product), so the row-by-row
-    forward substitution only covers the block's own rows, on [BS, BV] register tiles. UNROLL unrolls its steps
-    (per autotune config, see CONFIGS_COL_H)."""
+    forward substitution only covers the block's own rows, on [BS, BV] register tiles, its steps unrolled. No
+    branch on the sequence's end (see CONFIGS_COL_H)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -219,28 +220,22 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
         tl.store(h + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
         for i_s in tl.static_range(BT // BS):
             r0 = i_t * BT + i_s * BS
-            if (r0 < T) | (not GUARD):
-                b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
-                    k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
-                    H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
-                b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
-                # the residual against the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
-                # (min: rows past the end read G = 0)
-                b_y = b_v - tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
-                # forward substitution, every column at once (_fwd_step)
-                b_r = b_y
-                b_w = tl.zeros([BS, BV], dtype=tl.float32)
-                if UNROLL:
-                    for i in tl.static_range(BS):
-                        b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv, o_b,
-                                             o_v, m_v, H, HV, V, BS)
-                else:
-                    for i in range(BS):
-                        b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv, o_b,
-                                             o_v, m_v, H, HV, V, BS)
-                tl.store(r + p_tv, b_r, mask=m_tv)
-                # now b_w[j] = exp(G_last - G_j) u_j: the block's write into the state
-                b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
+            b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
+                k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
+            b_v = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32)
+            # the residual against the state before the block, decayed to each row's read: exp(Gx_t - G_ref) <= 1
+            # (min: rows past the end read G = 0)
+            b_y = b_v - tl.dot(b_x, b_h.to(b_x.dtype)) * tl.exp(tl.minimum(b_Gx - b_Gr[None, :], 0.))
+            # forward substitution, every column at once (_fwd_step)
+            b_r = b_y
+            b_w = tl.zeros([BS, BV], dtype=tl.float32)
+            for i in tl.static_range(BS):
+                b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv, o_b,
+                                     o_v, m_v, H, HV, V, BS)
+            tl.store(r + p_tv, b_r, mask=m_tv)
+            # now b_w[j] = exp(G_last - G_j) u_j: the block's write into the state
+            b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv) * K * V + p_kv, b_h, mask=m_kv)
 
@@ -252,15 +247,14 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, UNROLL: tl.constexpr = False,
-                       GUARD: tl.constexpr = True):
+                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
     plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
     dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs).
 
     Block by block in reverse, as the forward: b_e is the solve's gradient of the state at the end of the
     current block (the later blocks' rows reach its rows through it), so the backward substitution only
-    covers the block's own rows. UNROLL as in _fwd_h_delta_col."""
+    covers the block's own rows, unrolled and branch-free as in _fwd_h_delta_col."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -281,31 +275,25 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht,
         for i_sr in tl.static_range(BT // BS):
             i_s = BT // BS - 1 - i_sr
             r0 = i_t * BT + i_s * BS
-            if (r0 < T) | (not GUARD):
-                b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
-                    k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
-                    H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
-                b_q = tl.load(q + ((bos + r0 + o_b) * H + i_h)[:, None] * K + o_k[None, :],
-                              mask=((r0 + o_b) < T)[:, None] & (o_k < K)[None, :], other=0)
-                b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
-                # the outputs read S0 decayed by exp(G_t): their part of dS0
-                b_dq += tl.dot(tl.trans(b_q), (b_do * tl.exp(b_G) * scale).to(b_q.dtype))
-                # the state path of du: u_j enters the state at the block's end through exp(G_last - G_j) x_j
-                b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_e.to(b_x.dtype)) * tl.exp(
-                    b_Gl[None, :] - b_G)
-                # backward substitution, rows in reverse (_bwd_step; the block's first row: G_{j-1} = G_ref)
-                b_z = tl.zeros([BS, BV], dtype=tl.float32)
-                if UNROLL:
-                    for jj in tl.static_range(BS):
-                        b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv,
-                                              o_b, o_v, m_v, H, HV, V, BS)
-                else:
-                    for jj in range(BS):
-                        b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv,
-                                              o_b, o_v, m_v, H, HV, V, BS)
-                tl.store(dr + p_tv, b_dr, mask=m_tv)
-                # now b_z = exp(Gx - G_ref) eta drhs: the gradient of the state before the block
-                b_e = b_e * tl.exp(b_Gl - b_Gr)[None, :] - tl.dot(tl.trans(b_x), b_z.to(b_x.dtype))
+            b_x, m_tv, p_tv, b_G, b_Gx, b_eta, b_Gl, b_Gr = _block_rows(
+                k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, i_t * BT, T, o_b, o_v, m_v,
+                H, HV, K, V, BS, BK, SHIFT, USE_INITIAL_STATE)
+            b_q = tl.load(q + ((bos + r0 + o_b) * H + i_h)[:, None] * K + o_k[None, :],
+                          mask=((r0 + o_b) < T)[:, None] & (o_k < K)[None, :], other=0)
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
+            # the outputs read S0 decayed by exp(G_t): their part of dS0
+            b_dq += tl.dot(tl.trans(b_q), (b_do * tl.exp(b_G) * scale).to(b_q.dtype))
+            # the state path of du: u_j enters the state at the block's end through exp(G_last - G_j) x_j
+            b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_e.to(b_x.dtype)) * tl.exp(
+                b_Gl[None, :] - b_G)
+            # backward substitution, rows in reverse (_bwd_step; the block's first row: G_{j-1} = G_ref)
+            b_z = tl.zeros([BS, BV], dtype=tl.float32)
+            for jj in tl.static_range(BS):
+                b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv,
+                                      o_b, o_v, m_v, H, HV, V, BS)
+            tl.store(dr + p_tv, b_dr, mask=m_tv)
+            # now b_z = exp(Gx - G_ref) eta drhs: the gradient of the state before the block
+            b_e = b_e * tl.exp(b_Gl - b_Gr)[None, :] - tl.dot(tl.trans(b_x), b_z.to(b_x.dtype))
         b_dh = b_e + b_dq
     if USE_INITIAL_STATE:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
