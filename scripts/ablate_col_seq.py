@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -63,15 +64,31 @@ VARIANTS = {
 KERNELS = ('_fwd_h_delta_col', '_bwd_dhu_delta_col')
 
 
-def variant_module(name, edits, folder):
-    src = open(chunk_col.__file__).read()
+def variant_source(name, edits, src):
+    """chunk_col.py's source with its autotune list cut to ONE_CONFIG and a variant's edits made. An old text must
+    occur once; runs of whitespace in it match any whitespace, so that re-indented code still matches."""
     start = src.index('CONFIGS_COL_H = [')
-    end = src.index(']\n', src.index('for bv, w, u in', start)) + 2
-    src = src[:start] + ONE_CONFIG + src[end:]
+    depth, end = 0, start + len('CONFIGS_COL_H = ')
+    for end in range(end, len(src)):   # the list's closing bracket
+        depth += {'[': 1, ']': -1}.get(src[end], 0)
+        if depth == 0:
+            break
+    src = src[:start] + ONE_CONFIG + src[end + 2:]
     for old, new in edits:
-        if src.count(old) != 1:
-            raise SystemExit(f"variant {name!r}: {old[:60]!r} occurs {src.count(old)} times in chunk_col.py")
-        src = src.replace(old, new)
+        # the old text's own leading / trailing whitespace stays in the source (and comes off the new text)
+        lead, trail = old[:len(old) - len(old.lstrip())], old[len(old.rstrip()):]
+        new = new[len(lead):] if new.startswith(lead) else new
+        new = new[:len(new) - len(trail)] if trail and new.endswith(trail) else new
+        pattern = r'\s+'.join(re.escape(part) for part in old.split())
+        found = re.findall(pattern, src)
+        if len(found) != 1:
+            raise SystemExit(f"variant {name!r}: {old[:60]!r} occurs {len(found)} times in chunk_col.py")
+        src = re.sub(pattern, lambda _: new, src)
+    return src
+
+
+def variant_module(name, edits, folder):
+    src = variant_source(name, edits, open(chunk_col.__file__).read())
     mod_name = 'ablate_' + ''.join(c if c.isalnum() else '_' for c in name)
     path = os.path.join(folder, mod_name + '.py')
     with open(path, 'w') as f:

@@ -203,3 +203,22 @@ def test_wgmma_hazards_finds_a_slot_overwritten_under_an_async_dot():
                         "      %b_h_9 = ttg.async_copy_global_to_local %p, %b_h_1343 mask %m : P -> M\n"
                         "      %b_h_1342 = ttg.async_wait")
     assert len(war_hazards(late)) == 1
+
+
+def test_ablate_col_seq_variants_apply_to_the_kernels():
+    """scripts/ablate_col_seq.py edits chunk_col.py's text: every variant's edits must still find their code once (a
+    refactor of the sequential kernels breaks them silently otherwise), the autotune list must become its one config,
+    and each edit must change the source."""
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import ablate_col_seq as ab
+    src = (ROOT / 'fla_falcon' / 'ops' / 'falcon' / 'chunk_col.py').read_text()
+    base = ab.variant_source('base', [], src)
+    assert base.count('CONFIGS_COL_H = [') == 1 and ab.ONE_CONFIG in base
+    compile(base, 'chunk_col_base.py', 'exec')
+    for name, edits in ab.VARIANTS.items():
+        if edits:
+            out = ab.variant_source(name, edits, src)
+            assert out != base, name
+            compile(out, 'chunk_col_variant.py', 'exec')
+    with pytest.raises(SystemExit, match='occurs 0 times'):
+        ab.variant_source('missing', [('no such code in the kernels', '')], src)
