@@ -11,8 +11,8 @@ without touching the autotune lists, and checks each config on the GPU at that s
     python benchmarks/sweep_configs.py --op falcon1a --kernel _bwd_dqx \\
         --configs num_warps=8,num_stages=2 num_warps=16,num_stages=2 --out benchmarks/results/sweep
 
-A config is ``name=value`` pairs: num_warps, num_stages, maxnreg, or any constexpr of the kernel (``BV=32``,
-``UNROLL=1``). What a config leaves out is taken from the config the autotuner chose for this launch, not from
+A config is ``name=value`` pairs: num_warps, num_stages, maxnreg, or any constexpr of the kernel (``BV=32``;
+booleans as 0 / 1). What a config leaves out is taken from the config the autotuner chose for this launch, not from
 Triton's launch defaults (num_stages=3 there: a sweep that left num_stages out once timed a pipelined variant at
 three stages against an autotune list of two, 1.82 against 1.19 ms); the table lists every setting launched. Ops
 are benchmarks/benchmark_chunk.py's (Falcon rules by rule name). Writes sweep_<op>_<kernel>.json and .md in --out.
