@@ -185,6 +185,11 @@ def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_
 # same substitution on separate [BV] row vectors (tl.split of the tiles, the Gram coefficients as scalars: no
 # cross-thread reduction per step; benchmarks/results/dead_ends/col_rows.patch) at 1.53-3.06 ms forward and
 # 1.64-3.07 ms backward on BV = 16-64, against 1.187 / 1.198 ms for this form: BV = 32 on 4 warps is the one config.
+# The thirtieth lease timed the blocks in a runtime loop (20x less compile time: 3.5 / 4.0 s against 67 / 104 s for
+# sm_90) at 4-20% slower, and BV = 16 (more programs for small batches) slower at both benchmark shapes, unrolled or
+# not (benchmarks/results/dead_ends/). Nsight Compute (benchmarks/results/ncu_seq/): 2 blocks of 4 warps per SM,
+# limited by registers; ~88 warp instructions per step, of which ~28 are the step and ~23 the pipeliner's copies of
+# the next chunk's step coefficients, each with its own address, predicate and commit group.
 CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]
 
 
