@@ -222,3 +222,20 @@ def test_ablate_col_seq_variants_apply_to_the_kernels():
             compile(out, 'chunk_col_variant.py', 'exec')
     with pytest.raises(SystemExit, match='occurs 0 times'):
         ab.variant_source('missing', [('no such code in the kernels', '')], src)
+
+
+def test_ncu_sass_summary_reads_the_committed_profile(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import ncu_sass_summary as ns
+    out = tmp_path / 'summary.md'
+    assert ns.main([str(ROOT / 'benchmarks' / 'results' / 'ncu_seq' / 'seq_sass.csv.xz'), '--slice', '1000',
+                    '--out', str(out)]) == 0
+    text = out.read_text()
+    assert '## _fwd_h_delta_col' in text and '## _bwd_dhu_delta_col' in text
+    assert '| short_sb |' in text and '| SHFL |' in text and '| 0-999 |' in text
+    # a table without the per-instruction sampling columns is refused by name
+    bad = tmp_path / 'bad.csv'
+    bad.write_text('"Kernel Name","k",\n"Address","Source"\n"0x0","NOP"\n')
+    with pytest.raises(SystemExit):
+        ns.main([str(bad)])
+    assert 'Warp Stall Sampling' in capsys.readouterr().err
