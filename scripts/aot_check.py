@@ -19,6 +19,7 @@ Use the Triton version of the GPU machine (Triton 3.6 on our H200):
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import os
 import re
@@ -44,6 +45,7 @@ COMPILED: list[dict] = []
 # compiles but raises OutOfResources at its first launch
 MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 SEEN: set = set()
+SASS_DIR = None   # --sass: each compiled kernel's SASS is written there and its instructions counted
 
 
 class _CompileOnlyDriver:
@@ -69,6 +71,28 @@ class _CompileOnlyDriver:
 
     def get_benchmarker(self):
         raise RuntimeError('no benchmarking without a GPU')
+
+
+def sass_opcodes(sass: str) -> collections.Counter:
+    """Static count of each opcode (without its modifiers: FMUL.FTZ -> FMUL; a predicate '@P0' skipped) in
+    `cuobjdump -sass` output, whose instruction lines read '  /*0120*/   @!P0 LDGSTS.E [R1], ... ;  /* 0x... */'."""
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r'\s*/\*[0-9a-f]+\*/\s+([^;]*);', line)
+        if not m or not m.group(1).strip():
+            continue
+        parts = m.group(1).split()
+        op = parts[1] if parts[0].startswith('@') and len(parts) > 1 else parts[0]
+        ops[op.split('.')[0]] += 1
+    return ops
+
+
+def _sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
+        return subprocess.run([tool, '-sass', f.name], capture_output=True, text=True).stdout
 
 
 def _resources(cubin: bytes) -> dict:
@@ -109,6 +133,15 @@ def install(arch: int) -> None:
             # the older mma.sync (about half the throughput)
             ptx = kernel.asm.get('ptx', '')
             rec['mma'] = f"wgmma={ptx.count('wgmma.mma_async')} mma={ptx.count('mma.sync')}"
+            # static instruction counts: a proxy for the issue slots of latency-bound loops
+            if SASS_DIR and key not in SEEN:
+                sass = _sass(kernel.asm['cubin'])
+                n = sum(1 for r in COMPILED if r['kernel'] == name)
+                with open(os.path.join(SASS_DIR, f'{name}.{n}.sass'), 'w') as f:
+                    f.write(sass)
+                ops = sass_opcodes(sass)
+                rec['sass'] = f"sass={sum(ops.values())} (" + ' '.join(f'{o}:{c}' for o, c in ops.most_common(4)) + ')'
+
             # global loads the pipeliner turned into asynchronous copies (prefetched a loop iteration ahead) against
             # those left synchronous: a loop whose loads all stay synchronous (e.g. inside a runtime branch, as in
             # falcon2's sequential kernels' `if r0 < T` blocks) waits for them on every iteration
@@ -130,7 +163,8 @@ def install(arch: int) -> None:
             COMPILED.append(rec)
             status = 'ok' if rec['ok'] else 'FAILED ' + rec['error']
             print(f"  {name:28s} {str(cfg):60s} regs={rec.get('regs')} stack={rec.get('stack')} "
-                  f"smem={rec.get('shared')} {rec.get('mma', '')} {rec.get('loads', '')} {rec.get('secs', 0):.1f}s "
+                  f"smem={rec.get('shared')} {rec.get('mma', '')} {rec.get('loads', '')} {rec.get('sass', '')} "
+                  f"{rec.get('secs', 0):.1f}s "
                   f"{status}", flush=True)
         return None
 
@@ -190,7 +224,14 @@ def main(argv=None) -> int:
                    help="falcon3a's band in the backward (fla_falcon.ops.falcon.chunk.BAND_FORM; default: its value)")
     p.add_argument('--decode', action='store_true',
                    help='only the decode step: T = 1 with a full-window initial state and the final state, no grad')
+    p.add_argument('--sass', metavar='DIR', default=None,
+                   help="write each compiled kernel's SASS into DIR (<kernel>.<n>.sass) and print its instruction "
+                        "count and most common opcodes")
     args = p.parse_args(argv)
+    if args.sass:
+        global SASS_DIR
+        os.makedirs(args.sass, exist_ok=True)
+        SASS_DIR = args.sass
     import fla_falcon  # noqa: F401  (fla sees no GPU: its CPU code paths; the kernels compile for the target)
     from fla_falcon.ops.falcon import RULES, chunk_falcon, fused_recurrent_falcon
     from fla_falcon.ops.falcon.utils import FalconState, rule_info

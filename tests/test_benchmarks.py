@@ -3,6 +3,7 @@
 results JSON, targets judged on the device time, and forward-only rules in its tables."""
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -239,3 +240,20 @@ def test_ncu_sass_summary_reads_the_committed_profile(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ns.main([str(bad)])
     assert 'Warp Stall Sampling' in capsys.readouterr().err
+
+
+def test_aot_check_counts_sass_opcodes(monkeypatch):
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    # aot_check sets TRITON_INTERPRET=0 on import (it compiles): monkeypatch puts this process's value back afterwards
+    monkeypatch.setenv('TRITON_INTERPRET', os.environ.get('TRITON_INTERPRET', '1'))
+    from aot_check import sass_opcodes
+    sass = '\n'.join([
+        '        Function : _fwd_h_delta_col',
+        '        /*0000*/                   LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */',
+        '        /*0010*/              @!P0 LDGSTS.E [R173+0xd840], desc[UR18][R82.64+0x180], P3 ;  /* 0x0d8 */',
+        '        /*0020*/                   FMUL R88, R85, R98 ;                          /* 0x0000006255587220 */',
+        '        /*0030*/                   FMUL.FTZ R89, R85, R98 ;                      /* 0x0000006255597220 */',
+        '                                                                                 /* 0x000fe20000400000 */',
+        '        /*0040*/                   SHFL.BFLY PT, R97, R88, 0x10, 0x1f ;          /* 0x0e20000000000000 */',
+    ])
+    assert sass_opcodes(sass) == {'LDC': 1, 'LDGSTS': 1, 'FMUL': 2, 'SHFL': 1}
