@@ -35,7 +35,7 @@ VARIANTS = {
     'base': [],
     # forward: the substitution's steps (row i's reduction over the block's rows and the tile updates)
     'fwd: no substitution steps': [
-        ("    return tl.where(m_i, b_ri, b_r), tl.where(m_i, b_eta * b_ri, b_w * b_fi[None, :])",
+        ("    return tl.where(m_i, b_ri, b_r), tl.where(m_i, b_eta * b_ri, b_w)",
          "    return b_r, b_w")],
     'fwd: no step reduction': [
         ("    b_ri = b_y - tl.sum(b_mi[:, None] * b_w, 0)[None, :]\n",
@@ -48,8 +48,8 @@ VARIANTS = {
          "b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :]")],
     # backward
     'bwd: no substitution steps': [
-        ("    b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)\n"
-         "    return b_dr, tl.where(m_j, b_eta * b_dr, b_z * b_fj[None, :])",
+        ("    b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)\n", "\n"),
+        ("    return b_dr, tl.where(m_j, b_eta * b_dr, b_z)",
          "    return b_dr, b_z")],
     'bwd: no X e read': [
         ("b_dr = tl.load(du + p_tv, mask=m_tv, other=0) + tl.dot(b_x, b_e.to(b_x.dtype)) * tl.exp(\n"

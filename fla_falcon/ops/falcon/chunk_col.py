@@ -42,20 +42,22 @@ Backward, per chunk and column, with ``du`` the direct gradient of u (the output
 then the gates' chain rule as for falcon2a (reverse cumsum, log1p(-alpha), the clamp, eta, E, lam,
 lam_coupled) and the key gradient shifted back onto k / the carried last key.
 
-Kernels: ``_prep_fwd`` (chunk.py: shift, the row gates, G per column; eta = beta / den is formed where it
-is read), ``_gram`` (the key Gram of each 16-row block, once per key head, kept for the backward),
+Kernels: ``_prep_fwd`` (chunk.py: shift, the row gates, G per column and the step factors F; eta = beta / den is
+formed where it is read), ``_gram`` (the key Gram of each 16-row block, once per key head, kept for the backward),
 ``_fwd_h_delta_col`` (sequential: chunk-start states, the solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r);
-backward ``_bwd_dv_local_col`` (chunk.py), ``_bwd_dhu_delta_col`` (sequential: state gradients, the transposed
-solve), ``_bwd_col_gates`` and ``_bwd_col_dqk`` (chunk.py, shared with falcon2a, ``DELTA=True``: dq, dk, dv,
-dbeta, dlam).
+backward ``_bwd_dv_local_col`` (chunk.py), ``_col_decay`` (F again, from the saved G), ``_bwd_dhu_delta_col``
+(sequential: state gradients, the transposed solve), ``_bwd_col_gates`` and ``_bwd_col_dqk`` (chunk.py, shared
+with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam).
 
 The sequential kernels solve a chunk in blocks of 16 rows. A block's rows see the earlier blocks through
 the state at the end of the previous block, ``S_ref``: ``p_t = exp(Gx_t - G_ref) x_t . S_ref + (the
 block's own rows)``, a tensor-core product, and the state advances block by block. Only the block's own
-rows need the row-by-row substitution, on [16, BV] register tiles. Each step loads its Gram column and its
-per-column factor ``exp(G_i - G_{i-1}) <= 1`` (the decayed history tile is rescaled by it: a product of per-step
-factors, each <= 1, instead of 16 x BV exps per step) straight from memory, off the chain of dependent steps: taking
-them out of register tiles cost cross-thread reductions and layout conversions on every step. The backward runs the
+rows need the row-by-row substitution, on [16, BV] register tiles. Each step loads its row of the (symmetric) Gram
+block and its per-column decay factor ``F = exp(g) = exp(G_i - G_{i-1}) <= 1`` (the decayed history tile is rescaled
+by it: a product of per-step factors, each <= 1, instead of 16 x BV exps per step), precomputed and straight from
+memory, off the chain of dependent steps: taking them out of register tiles cost cross-thread reductions and layout
+conversions on every step. Both are stored BT rows per chunk (0 / 1 on the rows past the end), so the steps read them
+without masks: no predicate, select or exponential per step. The backward runs the
 blocks in reverse with the gradient of the state at each block's end. (The first version substituted all 64 rows of
 a chunk on [64, BV] tiles, reading a Gram row and a G row from memory at each step: 4.1 and 3.8 ms of falcon2's
 11.5 ms at (4, 4096, 16, 128, 128) on an H200; the 16-row blocks with the coefficients taken out of register tiles:
@@ -81,6 +83,7 @@ from fla_falcon.ops.falcon.chunk import (
     _reduce_groups,
     _seq_info,
     _seq_span,
+    _store_step_factors,
 )
 
 
@@ -89,8 +92,9 @@ from fla_falcon.ops.falcon.chunk import (
 def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
           SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The key Gram X X^T of each BS-row block of a chunk ([rows, BS], fp32), once per key head: the
-    substitutions only need the diagonal blocks (earlier blocks reach a row through the state)."""
+    """The key Gram X X^T of each BS-row block of a chunk ([rows, BS], fp32, BT rows per chunk: rows past the end
+    are 0), once per key head: the substitutions only need the diagonal blocks (earlier blocks reach a row through
+    the state)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -100,7 +104,9 @@ def _gram(k, last_k, count, M, cu_seqlens, chunk_indices, chunk_offsets, T,
         m_t = o_t < T
         b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
         b_M = tl.dot(b_x, tl.trans(b_x))
-        tl.store(M + ((bos + o_t) * H + i_h)[:, None] * BS + o_b[None, :], b_M, mask=m_t[:, None])
+        # rows by chunk, BT per chunk (the sequence's last chunk padded with its zero rows: x = 0 past the end), so
+        # that the substitution steps read them without a mask
+        tl.store(M + (((boh + i_t) * BT + i_s * BS + o_b) * H + i_h)[:, None] * BS + o_b[None, :], b_M)
 
 
 @triton.jit
@@ -128,43 +134,58 @@ def _block_rows(k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, c0, T, o
 
 
 @triton.jit
-def _step_coefs(M, G, bos, r0, c0, i, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constexpr, HV: tl.constexpr,
-                V: tl.constexpr, BS: tl.constexpr):
-    """Row i of a block's substitution: its Gram coefficients (the Gram block is symmetric: column i, a [BS] vector
-    over the block's rows) and exp(G_i - G_{i-1}) <= 1 per column (1 on rows past the end). Loaded from memory in the
-    layouts the step uses: extracting them from register tiles took cross-thread reductions and layout conversions
-    (shared-memory round trips and barriers) on every step of the sequential chain."""
-    b_mi = tl.load(M + ((bos + r0 + o_b) * H + i_h) * BS + i, mask=(r0 + o_b) < T, other=0)
-    r_i = r0 + i + o_v * 0
-    p_i = ((bos + r0 + i) * HV + i_hv) * V + o_v
-    b_gi = tl.load(G + p_i, mask=m_v & (r_i < T), other=0)
-    b_gp = tl.load(G + p_i - HV * V, mask=m_v & (r_i < T) & (r_i > c0), other=0)
-    # min(., 0): rows past the end read G = 0 and must not grow the decayed history
-    return b_mi, tl.exp(tl.minimum(b_gi - b_gp, 0.))
+def _col_decay(G, F, cu_seqlens, chunk_indices, chunk_offsets, T, HV: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The per-step decay factors F[t, c] = exp(G[t, c] - G[t - 1, c]) <= 1 (G of the row before the chunk: 0) that
+    the sequential kernels' substitution steps read, for the backward (the forward's come from _prep_fwd), laid out
+    by _store_step_factors."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
+        b_Gp = tl.load(G + p_tv - HV * V, mask=m_tv & (o_t > i_t * BT)[:, None], other=0)
+        _store_step_factors(F, tl.minimum(b_G - b_Gp, 0.), boh, i_t, i_hv, o_v, m_t, HV, V, BT)
 
 
 @triton.jit
-def _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constexpr,
-              HV: tl.constexpr, V: tl.constexpr, BS: tl.constexpr):
+def _fwd_step(i: tl.constexpr, b_y, b_r, b_w, b_eta, p_m, p_f, o_b, m_v, H: tl.constexpr, HV: tl.constexpr,
+              V: tl.constexpr, BS: tl.constexpr):
     """Step i of a block's forward substitution: at step i, b_w[j] = exp(G_{i-1} - G_j) u_j (j < i, zero below),
-    rescaled by exp(G_i - G_{i-1}) per step; row i's residual is y_i minus the block's history
-    sum_j (x_i.x_j) b_w[j], and u_i = eta_i r_i."""
+    rescaled by exp(G_i - G_{i-1}) per step (the first step's factor would rescale nothing: b_w is 0); row i's
+    residual is y_i minus the block's history sum_j (x_i.x_j) b_w[j], and u_i = eta_i r_i.
+
+    The step's coefficients come straight from memory in the layouts the step uses (extracting them from register
+    tiles took cross-thread reductions and layout conversions on every step of the chain): row i of the block's
+    symmetric Gram block (p_m: the block's first row; 16 contiguous values) and the decay factor exp(g) of row i
+    per column (p_f; precomputed: no exponential on the steps). Both are stored BT rows per chunk, 0 (Gram) and 1
+    (factor) on the rows past the end: no mask but the columns', no select (an async copy fills masked values with
+    0: the factor of a column past V is 0, which nothing reads)."""
     m_i = (o_b == i)[:, None]
-    b_mi, b_fi = _step_coefs(M, G, bos, r0, c0, i, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
+    b_mi = tl.load(p_m + i * H * BS)
     b_ri = b_y - tl.sum(b_mi[:, None] * b_w, 0)[None, :]
-    return tl.where(m_i, b_ri, b_r), tl.where(m_i, b_eta * b_ri, b_w * b_fi[None, :])
+    if i > 0:
+        b_w = b_w * tl.load(p_f + i * HV * V, mask=m_v, other=0)[None, :]
+    return tl.where(m_i, b_ri, b_r), tl.where(m_i, b_eta * b_ri, b_w)
 
 
 @triton.jit
-def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_v, H: tl.constexpr,
-              HV: tl.constexpr, V: tl.constexpr, BS: tl.constexpr):
+def _bwd_step(j: tl.constexpr, b_dr, b_z, b_eta, p_m, p_f, o_b, m_v, H: tl.constexpr, HV: tl.constexpr,
+              V: tl.constexpr, BS: tl.constexpr):
     """Step j of a block's backward substitution: drhs_j = du_j - sum_{t>j} (x_t.x_j) exp(Gx_t - G_j) eta_t drhs_t,
     with b_z[t] = exp(Gx_t - G_j) eta_t drhs_t (t > j in the block, zero above), rescaled by exp(G_j - G_{j-1})
-    per step."""
+    per step (the first, j = BS - 1, would rescale nothing: b_z is 0). Coefficients as in _fwd_step."""
     m_j = (o_b == j)[:, None]
-    b_mj, b_fj = _step_coefs(M, G, bos, r0, c0, j, T, i_h, i_hv, o_b, o_v, m_v, H, HV, V, BS)
+    b_mj = tl.load(p_m + j * H * BS)
     b_dr = tl.where(m_j, b_dr - tl.sum(b_mj[:, None] * b_z, 0)[None, :], b_dr)
-    return b_dr, tl.where(m_j, b_eta * b_dr, b_z * b_fj[None, :])
+    if j < BS - 1:
+        b_z = b_z * tl.load(p_f + j * HV * V, mask=m_v, other=0)[None, :]
+    return b_dr, tl.where(m_j, b_eta * b_dr, b_z)
 
 
 # The sequential kernels' time is the latency of their row-by-row substitution (T / BS blocks of BS dependent steps,
@@ -189,13 +210,15 @@ def _bwd_step(j, b_dr, b_z, b_eta, M, G, bos, r0, c0, T, i_h, i_hv, o_b, o_v, m_
 # sm_90) at 4-20% slower, and BV = 16 (more programs for small batches) slower at both benchmark shapes, unrolled or
 # not (benchmarks/results/dead_ends/). Nsight Compute (benchmarks/results/ncu_seq/): 2 blocks of 4 warps per SM,
 # limited by registers; ~88 warp instructions per step, of which ~28 are the step and ~23 the pipeliner's copies of
-# the next chunk's step coefficients, each with its own address, predicate and commit group.
+# the next chunk's step coefficients, each with its own address, predicate and commit group. Since then the steps
+# read precomputed decay factors and chunk-padded Gram rows without masks: SASS 7368 -> 4920 instructions forward,
+# 8104 -> 5624 backward (sm_90).
 CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]
 
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
-def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
+def _fwd_h_delta_col(k, v, last_k, count, M, G, F, beta, rg, h, h0, ht, r,
                      cu_seqlens, chunk_offsets, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -235,9 +258,11 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
             # forward substitution, every column at once (_fwd_step)
             b_r = b_y
             b_w = tl.zeros([BS, BV], dtype=tl.float32)
+            r0p = (boh + i_t) * BT + i_s * BS   # the block's first row in M and F (BT rows per chunk)
+            p_m = M + (r0p * H + i_h) * BS + o_b
+            p_f = F + (r0p * HV + i_hv) * V + o_v
             for i in tl.static_range(BS):
-                b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv, o_b,
-                                     o_v, m_v, H, HV, V, BS)
+                b_r, b_w = _fwd_step(i, b_y, b_r, b_w, b_eta, p_m, p_f, o_b, m_v, H, HV, V, BS)
             tl.store(r + p_tv, b_r, mask=m_tv)
             # now b_w[j] = exp(G_last - G_j) u_j: the block's write into the state
             b_h = b_h * tl.exp(b_Gl - b_Gr)[None, :] + tl.dot(tl.trans(b_x), b_w.to(b_x.dtype))
@@ -247,7 +272,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, beta, rg, h, h0, ht, r,
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht, dh0, scale,
+def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, dht, dh0, scale,
                        cu_seqlens, chunk_offsets, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -293,9 +318,11 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht,
                 b_Gl[None, :] - b_G)
             # backward substitution, rows in reverse (_bwd_step; the block's first row: G_{j-1} = G_ref)
             b_z = tl.zeros([BS, BV], dtype=tl.float32)
+            r0p = (boh + i_t) * BT + i_s * BS   # as in _fwd_h_delta_col
+            p_m = M + (r0p * H + i_h) * BS + o_b
+            p_f = F + (r0p * HV + i_hv) * V + o_v
             for jj in tl.static_range(BS):
-                b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, M, G, bos, r0, i_t * BT, T, i_h, i_hv,
-                                      o_b, o_v, m_v, H, HV, V, BS)
+                b_dr, b_z = _bwd_step(BS - 1 - jj, b_dr, b_z, b_eta, p_m, p_f, o_b, m_v, H, HV, V, BS)
             tl.store(dr + p_tv, b_dr, mask=m_tv)
             # now b_z = exp(Gx - G_ref) eta drhs: the gradient of the state before the block
             b_e = b_e * tl.exp(b_Gl - b_Gr)[None, :] - tl.dot(tl.trans(b_x), b_z.to(b_x.dtype))
@@ -328,12 +355,14 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     f32 = dict(device=dev, dtype=torch.float32)
     G = torch.empty(B, T, HV, V, **f32)
     rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den): eta = beta / den is formed where it is read
+    # the substitution steps' decay factors exp(g) (1 past the end) and key Grams (0 past the end), BT rows per chunk
+    F = torch.empty(m['NTH'] * m['BT'], HV, V, **f32)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, cu_seqlens, ci, co, eps, eps_gamma,
-        T,
-        PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
+        k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, F, cu_seqlens, ci, co, eps,
+        eps_gamma, T,
+        PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, STORE_F=True, **common)
     BS = min(SUB, m['BT'])
-    M = torch.empty(B, T, m['H'], BS, **f32)
+    M = torch.empty(m['NTH'] * m['BT'], m['H'], BS, **f32)
     gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT', 'USE_INITIAL_STATE',
                                                                   'IS_VARLEN')}
     _gram[(NT, B * m['H'])](k, last_k, count, M, cu_seqlens, ci, co, T, BS=BS, **gram_kw)
@@ -342,8 +371,9 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     r = torch.empty(B, T, HV, V, **f32)
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        k, v, last_k, count, M, G, beta, rg, h, S0, ht, r, cu_seqlens, co, T, BS=BS,
+        k, v, last_k, count, M, G, F, beta, rg, h, S0, ht, r, cu_seqlens, co, T, BS=BS,
         STORE_FINAL_STATE=output_final_state, **common_h)
+    del F
     # falcon2a's output kernel forms u = eta v: fed the residual, it forms u = eta r (and writes the output's
     # fp32 copy for the decay gradient)
     o, o32 = _col_outputs(v)
@@ -370,9 +400,13 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
+    F = torch.empty(m['NTH'] * BT, HV, V, **f32)
+    _col_decay[(NT, B * HV)](G, F, cu_seqlens, ci, co, T, HV=HV, V=V, BT=BT, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                             num_warps=4)
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        q, k, last_k, count, M, G, beta, rg, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
+        q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
         USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+    del F
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
