@@ -212,7 +212,9 @@ def _bwd_step(j: tl.constexpr, b_dr, b_z, b_eta, p_m, p_f, o_b, m_v, H: tl.const
 # limited by registers; ~88 warp instructions per step, of which ~28 are the step and ~23 the pipeliner's copies of
 # the next chunk's step coefficients, each with its own address, predicate and commit group. Since then the steps
 # read precomputed decay factors and chunk-padded Gram rows without masks: SASS 7368 -> 4920 instructions forward,
-# 8104 -> 5624 backward (sm_90).
+# 8104 -> 5624 backward (sm_90); on the H200 (thirty-first lease, benchmarks/results/col_step/) 1185 -> 790 us and
+# 1205 -> 851 us, ~62 / ~69 warp instructions per step, and falcon2 4575 -> 4044 us in all (writing F costs _prep_fwd
+# 131 us, the backward's _col_decay 69).
 CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]
 
 
