@@ -474,7 +474,7 @@ def _band_w(wm, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_s, WIN: tl.constexpr, T
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN', 'STORE_F'])
 @triton.jit
 def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg, F,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
