@@ -87,20 +87,18 @@ def sass_opcodes(sass: str) -> collections.Counter:
     return ops
 
 
-def _sass(cubin: bytes) -> str:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """Triton's bundled cuobjdump on a cubin: `-sass` (the raw listing sass_opcodes reads) or
+    `--dump-resource-usage`."""
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(cubin)
         f.flush()
         tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
-        return subprocess.run([tool, '-sass', f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
 def _resources(cubin: bytes) -> dict:
-    with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
-        f.write(cubin)
-        f.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
-        out = subprocess.run([tool, '--dump-resource-usage', f.name], capture_output=True, text=True).stdout
+    out = _cuobjdump(cubin, '--dump-resource-usage')
     regs = re.search(r'REG:(\d+)', out)
     stack = re.search(r'STACK:(\d+)', out)
     shared = re.search(r'SHARED:(\d+)', out)
@@ -135,7 +133,7 @@ def install(arch: int) -> None:
             rec['mma'] = f"wgmma={ptx.count('wgmma.mma_async')} mma={ptx.count('mma.sync')}"
             # static instruction counts: a proxy for the issue slots of latency-bound loops
             if SASS_DIR and key not in SEEN:
-                sass = _sass(kernel.asm['cubin'])
+                sass = _cuobjdump(kernel.asm['cubin'], '-sass')
                 n = sum(1 for r in COMPILED if r['kernel'] == name)
                 with open(os.path.join(SASS_DIR, f'{name}.{n}.sass'), 'w') as f:
                     f.write(sass)
