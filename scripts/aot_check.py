@@ -38,6 +38,7 @@ from triton.runtime import driver as _driver  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from ncu_sass_summary import opcode  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from wgmma_hazards import war_hazards  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 COMPILED: list[dict] = []
@@ -81,9 +82,7 @@ def sass_opcodes(sass: str) -> collections.Counter:
         m = re.match(r'\s*/\*[0-9a-f]+\*/\s+([^;]*);', line)
         if not m or not m.group(1).strip():
             continue
-        parts = m.group(1).split()
-        op = parts[1] if parts[0].startswith('@') and len(parts) > 1 else parts[0]
-        ops[op.split('.')[0]] += 1
+        ops[opcode(m.group(1))] += 1
     return ops
 
 

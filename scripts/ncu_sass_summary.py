@@ -28,7 +28,9 @@ def _num(x: str) -> float:
         return 0.0
 
 
-def _opcode(source: str) -> str:
+def opcode(source: str) -> str:
+    """An instruction's opcode without modifiers or predicate ('@!P0 LDGSTS.E [R1], ...' -> 'LDGSTS'); also
+    scripts/aot_check.py's."""
     parts = source.split()
     if not parts:
         return ''
@@ -62,7 +64,7 @@ def summarize(name: str, rows: list[dict], slice_len: int, top: int) -> str:
     executed = collections.Counter()
     static = collections.Counter()
     for r in rows:
-        op = _opcode(r['Source'])
+        op = opcode(r['Source'])
         samples[op] += _num(r[SAMPLES])
         executed[op] += _num(r[EXECUTED])
         static[op] += 1
@@ -81,7 +83,7 @@ def summarize(name: str, rows: list[dict], slice_len: int, top: int) -> str:
         part = rows[b:b + slice_len]
         s = sum(_num(r[SAMPLES]) for r in part)
         e = sum(_num(r[EXECUTED]) for r in part)
-        ops = collections.Counter(_opcode(r['Source']) for r in part)
+        ops = collections.Counter(opcode(r['Source']) for r in part)
         common = ', '.join(f'{op} {k}' for op, k in ops.most_common(5))
         out.append(f'| {b}-{b + len(part) - 1} | {100 * s / s_all:.1f}% | {100 * e / e_all:.1f}% | {common} |')
     return '\n'.join(out) + '\n'
