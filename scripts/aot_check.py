@@ -136,6 +136,10 @@ def install(arch: int) -> None:
                 n = sum(1 for r in COMPILED if r['kernel'] == name)
                 with open(os.path.join(SASS_DIR, f'{name}.{n}.sass'), 'w') as f:
                     f.write(sass)
+                # and Triton's GPU IR beside it: where the layouts of a kernel's tiles are converted (through shared
+                # memory, a barrier each) and which loads the pipeliner made asynchronous
+                with open(os.path.join(SASS_DIR, f'{name}.{n}.ttgir'), 'w') as f:
+                    f.write(kernel.asm.get('ttgir', ''))
                 ops = sass_opcodes(sass)
                 rec['sass'] = f"sass={sum(ops.values())} (" + ' '.join(f'{o}:{c}' for o, c in ops.most_common(4)) + ')'
 
@@ -222,8 +226,8 @@ def main(argv=None) -> int:
     p.add_argument('--decode', action='store_true',
                    help='only the decode step: T = 1 with a full-window initial state and the final state, no grad')
     p.add_argument('--sass', metavar='DIR', default=None,
-                   help="write each compiled kernel's SASS into DIR (<kernel>.<n>.sass) and print its instruction "
-                        "count and most common opcodes")
+                   help="write each compiled kernel's SASS and Triton GPU IR into DIR (<kernel>.<n>.sass, .ttgir) and "
+                        "print its instruction count and most common opcodes")
     args = p.parse_args(argv)
     if args.sass:
         global SASS_DIR
