@@ -257,3 +257,24 @@ def test_aot_check_counts_sass_opcodes(monkeypatch):
         '        /*0040*/                   SHFL.BFLY PT, R97, R88, 0x10, 0x1f ;          /* 0x0e20000000000000 */',
     ])
     assert sass_opcodes(sass) == {'LDC': 1, 'LDGSTS': 1, 'FMUL': 2, 'SHFL': 1}
+
+
+def test_falcon3_step_form_is_exact():
+    """scripts/falcon3_step_form.py (docs/falcon3_step_form.md): the chunk form with values per step and per pair
+    (both coefficient routes) reproduces falcon3's step loop in fp64, carried and missing pairs included, and a
+    coefficient that is off makes it fail."""
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import falcon3_step_form as sf
+    assert sf.main(['--windows', '1', '3', '4', '--lengths', '5', '20', '--seeds', '1']) == 0
+    X, Y, Q, S0, g, c = sf.make_chunk(20, 4, missing=2, seed=1)
+    o_ref, S_ref = sf.step_loop(X, Y, Q, S0, g, c, 4)
+    coefs = sf.coefficients_blocked(X, Q, g, c, 4)
+    o, S = sf.apply_coefficients(coefs, X, Y, Q, S0, g, c)
+    assert sf.rel(o, o_ref) < 1e-12 and sf.rel(S, S_ref) < 1e-12
+    for i in range(4):   # each coefficient matrix, perturbed by 1e-3, moves o or S (weak decay: S0 still counts)
+        X, Y, Q, S0, g, c = sf.make_chunk(20, 4, lam_scale=1e-3, seed=1)
+        o_ref, S_ref = sf.step_loop(X, Y, Q, S0, g, c, 4)
+        bad = list(sf.coefficients_blocked(X, Q, g, c, 4))
+        bad[i] = bad[i] * (1 + 1e-3)
+        o, S = sf.apply_coefficients(bad, X, Y, Q, S0, g, c)
+        assert max(sf.rel(o, o_ref), sf.rel(S, S_ref)) > 1e-6, i
