@@ -31,9 +31,14 @@ coefficients ``c_t = eta_t / B_t`` and start state ``S0``:
   and the state kernel is ``Pi = X S0; Z = z + Zpi Pi; S = exp(G_n) S0 + X^T Z`` on J = C + W - 1 rows, where the
   virtual-row kernels use C * W.
 
-Run: ``python scripts/falcon3_step_form.py`` (a few seconds): prints the largest relative error of the form against
-the step loop (fp64, and fp32 beside the virtual-row form's fp32 error) and the size of the coefficients over a
-grid of windows, chunk lengths and gate strengths, and exits 1 if the fp64 form is not exact to 1e-9.
+The backward (``chunk_bwd``: the value-sized contractions, then ``coefficients_blocked_bwd``, the coefficients'
+adjoint written out as a kernel would run it) gives every input's gradient (keys, values, queries, start state,
+decays, coefficients).
+
+Run: ``python scripts/falcon3_step_form.py`` (a few seconds): prints the largest relative error of the form and of
+its backward against the step loop and autograd through it (fp64; and the fp32 forward beside the virtual-row form's
+fp32 error) and the size of the coefficients over a grid of windows, chunk lengths and gate strengths, and exits 1
+if anything in fp64 is off by more than 1e-9.
 """
 
 from __future__ import annotations
@@ -144,6 +149,39 @@ def coefficients(X, Q, g, c, W):
     return Fy, Fpi, Oy, Opi, Zy, Zpi
 
 
+def _subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m):
+    """One sub-chunk of ``coefficients_blocked`` (steps tau .. tau + m - 1): its rows' steps and pairs, the
+    solve A = (I + P)^-1, the rows' state predictions Pi_i, right-hand sides R, writes CU = A R, and the
+    sub-chunk's output rows. Returns a dict of them (the backward reuses every one)."""
+    J = n + W - 1
+    dt = X.dtype
+    zero = torch.zeros((), dtype=dt)
+    ts = torch.arange(tau, min(tau + m, n))
+    st = ts.repeat_interleave(W)                                                    # the rows' steps
+    pr = st - torch.arange(W).repeat(len(ts)) + W - 1                               # the rows' pairs (X rows)
+    Gs = G[tau - 1] if tau else zero                                                # G_{tau-1}
+    # A_i: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s)) x_r . x_s for t(s) < t(r) (chunk_win's _wy_p3)
+    Dm = torch.where(st[:, None] > st[None, :], (Gp[st][:, None] - G[st][None, :]).clamp(max=0).exp(), zero)
+    Mpp = M[pr][:, pr]
+    A = torch.linalg.inv(torch.eye(len(st), dtype=dt) + c[st][:, None] * Dm * Mpp)
+    Sy = torch.eye(2 * J, dtype=dt)[pr]                                             # y_p(r) as a source row
+    Sp = torch.eye(2 * J, dtype=dt)[J + pr]                                         # pi_p(r)
+    Pi = Gs.exp() * Sp + M[pr] @ Zacc                                               # rows' X S_(i) coefficients
+    ef = (Gp[st] - Gs).exp()
+    f = c[st] * ef
+    R = c[st][:, None] * Sy - f[:, None] * Pi
+    CU = A @ R
+    # outputs of the sub-chunk's steps: the state before it, then its rows up to the step
+    e1 = (G[ts] - Gs).exp()
+    QX = Q[ts] @ X.T
+    QXp = Q[ts] @ X[pr].T
+    Do = torch.where(ts[:, None] >= st[None, :], (G[ts][:, None] - G[st][None, :]).clamp(max=0).exp(), zero)
+    T1 = QX @ Zacc
+    out = e1[:, None] * T1 + (Do * QXp) @ CU
+    return dict(ts=ts, st=st, pr=pr, Gs=Gs, Dm=Dm, Mpp=Mpp, A=A, Sy=Sy, Sp=Sp, Pi=Pi, ef=ef, f=f, R=R, CU=CU, e1=e1,
+                QX=QX, QXp=QXp, Do=Do, T1=T1, O=out, Zin=Zacc, Gn=G[ts[-1]])
+
+
 def coefficients_blocked(X, Q, g, c, W, m=16):
     """(Oy, Opi, Zy, Zpi) of ``coefficients()`` without the scan: sub-chunks of m steps, each solved in virtual
     rows (main's ``A = (I + P)^-1``, m W rows, the solve_tril-sized system), coupled through the pairs. Every
@@ -155,34 +193,121 @@ def coefficients_blocked(X, Q, g, c, W, m=16):
     tau - 1; its rows solve U = A_i (diag(c) E Y - diag(c exp(G_{t-1} - G_{tau-1})) E X S_(i))."""
     n = Q.shape[0]
     J = n + W - 1
-    dt = X.dtype
     G = torch.cumsum(g, 0)
     Gp = G - g
     M = X @ X.T                                                                     # J x J pair Gram
-    src_y = torch.cat([torch.eye(J, dtype=dt), torch.zeros(J, J, dtype=dt)], 1)     # y_j as a source row
-    src_p = torch.cat([torch.zeros(J, J, dtype=dt), torch.eye(J, dtype=dt)], 1)     # pi_j
-    Zacc = torch.zeros(J, 2 * J, dtype=dt)       # sum over earlier rows of exp(G_{tau-1} - G_t(r)) e_p(r) CU[r]
-    Orow = torch.zeros(n, 2 * J, dtype=dt)
+    Zacc = torch.zeros(J, 2 * J, dtype=X.dtype)  # sum over earlier rows of exp(G_{tau-1} - G_t(r)) e_p(r) CU[r]
+    Orow = torch.zeros(n, 2 * J, dtype=X.dtype)
     for tau in range(0, n, m):
-        ts = torch.arange(tau, min(tau + m, n))
-        st = ts.repeat_interleave(W)                                                # the rows' steps
-        pr = st - torch.arange(W).repeat(len(ts)) + W - 1                          # the rows' pairs (X rows)
-        Gs = G[tau - 1] if tau else torch.zeros((), dtype=dt)                       # G_{tau-1}
-        # A_i: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s)) x_r . x_s for t(s) < t(r) (chunk_win's _wy_p3)
-        before = st[:, None] > st[None, :]
-        D = torch.where(before, (Gp[st][:, None] - G[st][None, :]).clamp(max=0).exp(), torch.zeros((), dtype=dt))
-        A = torch.linalg.inv(torch.eye(len(st), dtype=dt) + c[st][:, None] * D * M[pr][:, pr])
-        Pi_i = Gs.exp() * src_p[pr] + M[pr] @ Zacc                                 # rows' X S_(i) coefficients
-        CU = A @ (c[st][:, None] * src_y[pr] - (c[st] * (Gp[st] - Gs).exp())[:, None] * Pi_i)
-        # outputs of the sub-chunk's steps: the state before it, then its rows up to the step
-        seen = ts[:, None] >= st[None, :]
-        Do = torch.where(seen, (G[ts][:, None] - G[st][None, :]).clamp(max=0).exp(), torch.zeros((), dtype=dt))
-        Orow[ts] = (G[ts] - Gs).exp()[:, None] * ((Q[ts] @ X.T) @ Zacc) + (Do * (Q[ts] @ X[pr].T)) @ CU
+        sc = _subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m)
+        Orow[sc['ts']] = sc['O']
         # carry the writes to the next sub-chunk's start (or the chunk's end)
-        Gn = G[ts[-1]]
-        Zacc = (Gn - Gs).exp() * Zacc
-        Zacc.index_add_(0, pr, (Gn - G[st]).exp()[:, None] * CU)
+        Zacc = (sc['Gn'] - sc['Gs']).exp() * Zacc
+        Zacc = Zacc.index_add(0, sc['pr'], (sc['Gn'] - G[sc['st']]).exp()[:, None] * sc['CU'])
     return Orow[:, :J], Orow[:, J:], Zacc[:, :J], Zacc[:, J:]
+
+
+def coefficients_blocked_bwd(X, Q, g, c, W, dOy, dOpi, dZy, dZpi, m=16):
+    """The adjoint of ``coefficients_blocked``: (dX, dQ, dg, dc) from the gradients of (Oy, Opi, Zy, Zpi), written
+    out as a kernel would do it (sub-chunks in reverse, each recomputed; the key gradients through the pair Gram
+    gathered in dM, J x J, and applied once: dX += (dM + dM^T) X). No value column appears here either: the
+    value-sized work of the backward is dOy = do Y^T, dOpi = do Pi^T, dZy = dZ Y^T, dZpi = dZ Pi^T (``chunk_bwd``)."""
+    n, K = Q.shape
+    J = n + W - 1
+    G = torch.cumsum(g, 0)
+    Gp = G - g
+    M = X @ X.T
+    subs, Zacc = [], torch.zeros(J, 2 * J, dtype=X.dtype)
+    for tau in range(0, n, m):                     # the forward again (a kernel keeps Zacc per sub-chunk instead)
+        sc = _subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m)
+        subs.append(sc)
+        Zacc = (sc['Gn'] - sc['Gs']).exp() * Zacc
+        Zacc = Zacc.index_add(0, sc['pr'], (sc['Gn'] - G[sc['st']]).exp()[:, None] * sc['CU'])
+    dZ = torch.cat([dZy, dZpi], 1)
+    dO = torch.cat([dOy, dOpi], 1)
+    dM = torch.zeros(J, J, dtype=X.dtype)
+    dX = torch.zeros_like(X)
+    dQ = torch.zeros_like(Q)
+    dG = torch.zeros(n, dtype=X.dtype)             # w.r.t. G_t (cumulative), and G_{t-1} through dGp
+    dGp = torch.zeros(n, dtype=X.dtype)
+    dc = torch.zeros(n, dtype=X.dtype)
+    for sc in reversed(subs):
+        ts, st, pr, Zin, CU = sc['ts'], sc['st'], sc['pr'], sc['Zin'], sc['CU']
+        dGs = torch.zeros((), dtype=X.dtype)
+        # Zacc_out = exp(Gn - Gs) Zin + sum_r e_p(r) exp(Gn - G_t(r)) CU_r
+        eZ = (sc['Gn'] - sc['Gs']).exp()
+        wr = (sc['Gn'] - G[st]).exp()
+        dCU = wr[:, None] * dZ[pr]
+        carried = eZ * (dZ * Zin).sum()
+        written = wr * (dZ[pr] * CU).sum(1)
+        dG[ts[-1]] += carried + written.sum()
+        dGs -= carried
+        dG.index_add_(0, st, -written)
+        dZin = eZ * dZ
+        # O = e1 * (QX Zin) + (Do * QXp) CU
+        dOt = dO[ts]
+        part = sc['e1'] * (dOt * sc['T1']).sum(1)
+        dG[ts] += part
+        dGs -= part.sum()
+        dT1 = sc['e1'][:, None] * dOt
+        dZin += sc['QX'].T @ dT1
+        dQX = dT1 @ Zin.T
+        dQ[ts] += dQX @ X
+        dX += dQX.T @ Q[ts]
+        dCU += (sc['Do'] * sc['QXp']).T @ dOt
+        dB = dOt @ CU.T
+        dQXp = dB * sc['Do']
+        dQ[ts] += dQXp @ X[pr]
+        dX.index_add_(0, pr, dQXp.T @ Q[ts])
+        dDo = dB * sc['QXp'] * sc['Do']            # Do = exp(G_t - G_t(r)) where t >= t(r)
+        dG[ts] += dDo.sum(1)
+        dG.index_add_(0, st, -dDo.sum(0))
+        # CU = A R, A = (I + P)^-1
+        A = sc['A']
+        dR = A.T @ dCU
+        dP = -A.T @ (dCU @ sc['R'].T) @ A.T
+        # R = c Sy - f Pi, f = c exp(G_{t-1} - Gs)
+        dfPi = -(dR * sc['Pi']).sum(1)
+        dc.index_add_(0, st, (dR * sc['Sy']).sum(1) + dfPi * sc['ef'])
+        dGp.index_add_(0, st, dfPi * sc['f'])
+        dGs -= (dfPi * sc['f']).sum()
+        dPi = -sc['f'][:, None] * dR
+        # Pi = exp(Gs) Sp + M[pr] Zin
+        dGs += sc['Gs'].exp() * (dPi * sc['Sp']).sum()
+        dM.index_add_(0, pr, dPi @ Zin.T)
+        dZin += M[pr].T @ dPi
+        # P = c_r Dm * M[pr, pr], Dm = exp(G_{t(r)-1} - G_t(s)) where t(s) < t(r)
+        dc.index_add_(0, st, (dP * sc['Dm'] * sc['Mpp']).sum(1))
+        dM.index_put_((pr[:, None], pr[None, :]), c[st][:, None] * sc['Dm'] * dP, accumulate=True)
+        dDm = c[st][:, None] * dP * sc['Mpp'] * sc['Dm']
+        dGp.index_add_(0, st, dDm.sum(1))
+        dG.index_add_(0, st, -dDm.sum(0))
+        if ts[0] > 0:
+            dG[ts[0] - 1] += dGs
+        dZ = dZin
+    dX += (dM + dM.T) @ X
+    dG[:-1] += dGp[1:]                               # G_{t-1} = G[t - 1] (0 at the chunk's first step)
+    dg = dG.flip(0).cumsum(0).flip(0)                # G = cumsum(g)
+    return dX, dQ, dg, dc
+
+
+def chunk_bwd(X, Y, Q, S0, g, c, W, do, dS, m=16):
+    """The whole chunk's backward through the step form: the value-sized part (what the kernels would do on n and
+    J rows), then the coefficients' adjoint. Returns (dX, dY, dQ, dS0, dg, dc)."""
+    Oy, Opi, Zy, Zpi = coefficients_blocked(X, Q, g, c, W, m)
+    G = torch.cumsum(g, 0)
+    Pi = X @ S0
+    Z = Zy @ Y + Zpi @ Pi
+    dZ = X @ dS                                     # S_n = exp(G_n) S0 + X^T Z
+    dPi = Opi.T @ do + Zpi.T @ dZ
+    dY = Oy.T @ do + Zy.T @ dZ
+    dS0 = Q.T @ (G.exp()[:, None] * do) + G[-1].exp() * dS + X.T @ dPi
+    dX = Z @ dS.T + dPi @ S0.T
+    dQ = (G.exp()[:, None] * do) @ S0.T
+    dG = G.exp() * ((Q @ S0) * do).sum(1)
+    dG[-1] += G[-1].exp() * (S0 * dS).sum()
+    cX, cQ, cg, cc = coefficients_blocked_bwd(X, Q, g, c, W, do @ Y.T, do @ Pi.T, dZ @ Y.T, dZ @ Pi.T, m)
+    return dX + cX, dY, dQ + cQ, dS0, dG.flip(0).cumsum(0).flip(0) + cg, cc
 
 
 def step_form(X, Y, Q, S0, g, c, W):
@@ -256,10 +381,18 @@ def main(argv=None) -> int:
             r32 = max(r32, rel(ov.double(), o_ref), rel(Sv.double(), S_ref))
             ob, Sb = apply_coefficients(coefficients_blocked(*(ch32[i] for i in (0, 2, 4, 5)), W), *ch32)
             b32 = max(b32, rel(ob.double(), o_ref), rel(Sb.double(), S_ref))
+            # the backward: chunk_bwd against autograd through the step loop, every input
+            leaves = [t.clone().requires_grad_(True) for t in ch]
+            o_a, S_a = step_loop(*leaves, W)
+            gen = torch.Generator().manual_seed(seed)
+            do = torch.randn(o_a.shape, generator=gen, dtype=o_a.dtype)
+            dS = torch.randn(S_a.shape, generator=gen, dtype=S_a.dtype)
+            ref = torch.autograd.grad((o_a * do).sum() + (S_a * dS).sum(), leaves)
+            e64 = max(e64, *(rel(a, b) for a, b in zip(chunk_bwd(*ch, W, do, dS), ref)))
         worst = max(worst, e64)
         print(f"{W:>2} {n:>3} {beta_max:>5} {lam_scale:>6g} {missing:>4} | {e64:9.1e} | "
               f"{e32:9.1e} {r32:9.1e} {b32:9.1e} | {coef:9.2e}")
-    print(f"largest fp64 error of the step form: {worst:.1e}")
+    print(f"largest fp64 error of the step form and its backward: {worst:.1e}")
     return 0 if worst < 1e-9 else 1
 
 

@@ -261,8 +261,8 @@ def test_aot_check_counts_sass_opcodes(monkeypatch):
 
 def test_falcon3_step_form_is_exact():
     """scripts/falcon3_step_form.py (docs/falcon3_step_form.md): the chunk form with values per step and per pair
-    (both coefficient routes) reproduces falcon3's step loop in fp64, carried and missing pairs included, and a
-    coefficient that is off makes it fail."""
+    (both coefficient routes) and its written-out backward reproduce falcon3's step loop and autograd through it in
+    fp64, carried and missing pairs included (main() exits 1 otherwise), and a coefficient that is off shows."""
     sys.path.insert(0, str(ROOT / 'scripts'))
     import falcon3_step_form as sf
     assert sf.main(['--windows', '1', '3', '4', '--lengths', '5', '20', '--seeds', '1']) == 0
