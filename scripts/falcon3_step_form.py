@@ -49,6 +49,9 @@ import sys
 
 import torch
 
+from fla_falcon.ops.falcon.naive import _coef_subchunk as _subchunk
+from fla_falcon.ops.falcon.naive import chunk_coefficients as coefficients_blocked
+
 
 def make_chunk(n, W, K=16, V=8, beta_max=1.99, lam_scale=1.0, missing=0, seed=0, dtype=torch.float64):
     """A random chunk: pairs X [J, K], Y [J, V] (the first ``missing`` pairs absent, i.e. zero), scaled queries
@@ -147,64 +150,6 @@ def coefficients(X, Q, g, c, W):
         Z.index_add_(0, rows + W - 1 - a, (G[-1] - G).exp()[:, None] * Psi[:, a])
     Zy, Zpi = fold(Z)
     return Fy, Fpi, Oy, Opi, Zy, Zpi
-
-
-def _subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m):
-    """One sub-chunk of ``coefficients_blocked`` (steps tau .. tau + m - 1): its rows' steps and pairs, the
-    solve A = (I + P)^-1, the rows' state predictions Pi_i, right-hand sides R, writes CU = A R, and the
-    sub-chunk's output rows. Returns a dict of them (the backward reuses every one)."""
-    J = n + W - 1
-    dt = X.dtype
-    zero = torch.zeros((), dtype=dt)
-    ts = torch.arange(tau, min(tau + m, n))
-    st = ts.repeat_interleave(W)                                                    # the rows' steps
-    pr = st - torch.arange(W).repeat(len(ts)) + W - 1                               # the rows' pairs (X rows)
-    Gs = G[tau - 1] if tau else zero                                                # G_{tau-1}
-    # A_i: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s)) x_r . x_s for t(s) < t(r) (chunk_win's _wy_p3)
-    Dm = torch.where(st[:, None] > st[None, :], (Gp[st][:, None] - G[st][None, :]).clamp(max=0).exp(), zero)
-    Mpp = M[pr][:, pr]
-    A = torch.linalg.inv(torch.eye(len(st), dtype=dt) + c[st][:, None] * Dm * Mpp)
-    Sy = torch.eye(2 * J, dtype=dt)[pr]                                             # y_p(r) as a source row
-    Sp = torch.eye(2 * J, dtype=dt)[J + pr]                                         # pi_p(r)
-    Pi = Gs.exp() * Sp + M[pr] @ Zacc                                               # rows' X S_(i) coefficients
-    ef = (Gp[st] - Gs).exp()
-    f = c[st] * ef
-    R = c[st][:, None] * Sy - f[:, None] * Pi
-    CU = A @ R
-    # outputs of the sub-chunk's steps: the state before it, then its rows up to the step
-    e1 = (G[ts] - Gs).exp()
-    QX = Q[ts] @ X.T
-    QXp = Q[ts] @ X[pr].T
-    Do = torch.where(ts[:, None] >= st[None, :], (G[ts][:, None] - G[st][None, :]).clamp(max=0).exp(), zero)
-    T1 = QX @ Zacc
-    out = e1[:, None] * T1 + (Do * QXp) @ CU
-    return dict(ts=ts, st=st, pr=pr, Gs=Gs, Dm=Dm, Mpp=Mpp, A=A, Sy=Sy, Sp=Sp, Pi=Pi, ef=ef, f=f, R=R, CU=CU, e1=e1,
-                QX=QX, QXp=QXp, Do=Do, T1=T1, O=out, Zin=Zacc, Gn=G[ts[-1]])
-
-
-def coefficients_blocked(X, Q, g, c, W, m=16):
-    """(Oy, Opi, Zy, Zpi) of ``coefficients()`` without the scan: sub-chunks of m steps, each solved in virtual
-    rows (main's ``A = (I + P)^-1``, m W rows, the solve_tril-sized system), coupled through the pairs. Every
-    product here is a matrix product (tensor cores in a kernel); none has a value column.
-
-    A virtual row r = (t, a) writes U_r = CU[r] . [Y; Pi] (pair p(r) = t - a, row t - a + W - 1). Sub-chunk i
-    (steps tau .. tau + m - 1) reads the state S_(i) before it only through its pairs' predictions
-    X S_(i) = exp(G_{tau-1}) Pi + M Zacc, with M = X X^T and Zacc the earlier rows' writes per pair, decayed to
-    tau - 1; its rows solve U = A_i (diag(c) E Y - diag(c exp(G_{t-1} - G_{tau-1})) E X S_(i))."""
-    n = Q.shape[0]
-    J = n + W - 1
-    G = torch.cumsum(g, 0)
-    Gp = G - g
-    M = X @ X.T                                                                     # J x J pair Gram
-    Zacc = torch.zeros(J, 2 * J, dtype=X.dtype)  # sum over earlier rows of exp(G_{tau-1} - G_t(r)) e_p(r) CU[r]
-    Orow = torch.zeros(n, 2 * J, dtype=X.dtype)
-    for tau in range(0, n, m):
-        sc = _subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m)
-        Orow[sc['ts']] = sc['O']
-        # carry the writes to the next sub-chunk's start (or the chunk's end)
-        Zacc = (sc['Gn'] - sc['Gs']).exp() * Zacc
-        Zacc = Zacc.index_add(0, sc['pr'], (sc['Gn'] - G[sc['st']]).exp()[:, None] * sc['CU'])
-    return Orow[:, :J], Orow[:, J:], Zacc[:, :J], Zacc[:, J:]
 
 
 def coefficients_blocked_bwd(X, Q, g, c, W, dOy, dOpi, dZy, dZpi, m=16):

@@ -418,8 +418,10 @@ def test_count_outside_the_window_is_read_clamped():
 
 # ------------------------------------------------------------------- the chunk form (naive_chunk_falcon)
 
-# the step-row form (one unknown per step) exists for falcon1 and falcon3, with windows up to 8
-STEP_ROWS = [('falcon1', 1, 'steps')] + [('falcon3', w, 'steps') for w in (2, 3, 4, 8)]
+# the step-row form (one unknown per step) and the coefficient form (values per step and per pair only) exist for
+# falcon1 and falcon3, with windows up to 8
+STEP_ROWS = [('falcon1', 1, u) for u in ('steps', 'coefficients')] + [
+    ('falcon3', w, u) for w in (2, 3, 4, 8) for u in ('steps', 'coefficients')]
 
 
 @pytest.mark.parametrize('chunk_size', [1, 4, 16])
@@ -460,12 +462,14 @@ def test_chunk_form_varlen_and_bad_chunk_size():
     o2, f2 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, **kw)
     for a, b in zip((o1, *f1), (o2, *f2)):
         assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
-    o3, f3 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, unknowns='steps', **kw)
-    for a, b in zip((o1, *f1), (o3, *f3)):
-        assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
+    for unknowns in ('steps', 'coefficients'):
+        o3, f3 = naive_chunk_falcon(q, k, v, beta, lam, chunk_size=3, unknowns=unknowns, **kw)
+        for a, b in zip((o1, *f1), (o3, *f3)):
+            assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match='chunk_size'):
         naive_chunk_falcon(*make_inputs('falcon1'), rule='falcon1', chunk_size=0)
     with pytest.raises(ValueError, match='unknowns'):
         naive_chunk_falcon(*make_inputs('falcon1'), rule='falcon1', unknowns='rows')
-    with pytest.raises(ValueError, match='falcon2'):
-        naive_chunk_falcon(*make_inputs('falcon2'), rule='falcon2', unknowns='steps')
+    for unknowns in ('steps', 'coefficients'):
+        with pytest.raises(ValueError, match='falcon2'):
+            naive_chunk_falcon(*make_inputs('falcon2'), rule='falcon2', unknowns=unknowns)

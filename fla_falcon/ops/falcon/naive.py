@@ -258,15 +258,18 @@ def naive_chunk_falcon(
     right-hand side each, all sharing the key Gram matrix (the paper's merged single solve).
 
     ``unknowns='steps'`` (falcon1 and falcon3) solves the same transition with one unknown per step
-    instead of one per window pair: see :func:`_step_row_writes`.
+    instead of one per window pair: see :func:`_step_row_writes`. ``unknowns='coefficients'`` (falcon1 and
+    falcon3) never forms a value-sized tensor per window slot: the chunk's coefficients come from keys, queries
+    and gates alone (:func:`chunk_coefficients`), then o and the state from products on the chunk's steps and
+    its C + W - 1 pairs (docs/falcon3_step_form.md).
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if unknowns not in ('pairs', 'steps'):
-        raise ValueError(f"unknowns must be 'pairs' or 'steps', got {unknowns!r}")
-    if unknowns == 'steps' and rule not in ('falcon1', 'falcon3'):
-        raise ValueError(f"unknowns='steps' is the chunk form of falcon1 and falcon3, not of rule {rule!r}")
-    seq_fn = functools.partial(_falcon_chunk_sequence, chunk_size=chunk_size, step_rows=unknowns == 'steps')
+    if unknowns not in ('pairs', 'steps', 'coefficients'):
+        raise ValueError(f"unknowns must be 'pairs', 'steps' or 'coefficients', got {unknowns!r}")
+    if unknowns != 'pairs' and rule not in ('falcon1', 'falcon3'):
+        raise ValueError(f"unknowns={unknowns!r} is a chunk form of falcon1 and falcon3, not of rule {rule!r}")
+    seq_fn = functools.partial(_falcon_chunk_sequence, chunk_size=chunk_size, unknowns=unknowns)
     return _per_sequence(
         seq_fn, q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, output_final_state=output_final_state,
@@ -274,7 +277,7 @@ def naive_chunk_falcon(
 
 
 def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, window, scale, eps, eps_gamma,
-                           lam_coupled, shift, chunk_size, step_rows=False):
+                           lam_coupled, shift, chunk_size, unknowns='pairs'):
     """One sequence in chunks (see :func:`naive_chunk_falcon`); the arguments of :func:`_falcon_sequence`."""
     regression, per_column, _ = rule_info(rule)
     T, H, K = k.shape
@@ -322,6 +325,11 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
     g = torch.where(write, torch.log1p(-alpha), torch.zeros_like(alpha))   # a step without a pair: no decay
     c = torch.where(write, eta / Bs[None, :, None], torch.zeros_like(eta))
     qh = q.repeat_interleave(G_, 1).transpose(0, 1) * scale                                 # [HV, T, K]
+    if unknowns == 'coefficients' and T:
+        # the pairs step-aligned: row t + W - 1 is step t's newest pair (zero where the step has none), the
+        # first W - 1 rows the pairs before the sequence (step 0's older window slots)
+        Xs = torch.cat([Xw[:, 0, 1:].flip(1), Xw[:, :, 0]], 1)                              # [HV, W - 1 + T, K]
+        Ys = torch.cat([Yw[:, 0, 1:].flip(1), Yw[:, :, 0]], 1)
     outs = []
     for t0 in range(0, T, chunk_size):
         n = min(chunk_size, T - t0)
@@ -332,7 +340,21 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
         G = torch.cumsum(g[:, sl], 1)                                                        # [HV, n, Vg]
         Gp = G - g[:, sl]                                                                    # G_{t-1}
         cv = c[:, sl][:, st]                                                                 # [HV, nW, Vg]
-        if step_rows:
+        if unknowns == 'coefficients':
+            # values only per step and per pair: the chunk's coefficients, then products on n and J rows
+            J = n + W - 1
+            Xc, Yc = Xs[:, t0:t0 + J], Ys[:, t0:t0 + J]                                      # [HV, J, .]
+            o_c, S_c = [], []
+            for h in range(HV):
+                Oy, Opi, Zy, Zpi = chunk_coefficients(Xc[h], qh[h, sl], g[h, sl, 0], c[h, sl, 0], W,
+                                                      m=max(1, 16 // W))
+                Pi = Xc[h] @ S[h]
+                o_c.append(G[h, :, 0].exp()[:, None] * (qh[h, sl] @ S[h]) + Oy @ Yc[h] + Opi @ Pi)
+                S_c.append(G[h, -1, 0].exp() * S[h] + Xc[h].T @ (Zy @ Yc[h] + Zpi @ Pi))
+            outs.append(torch.stack(o_c))
+            S = torch.stack(S_c)
+            continue
+        if unknowns == 'steps':
             U = _step_row_writes(Xw[:, sl], Yw[:, sl], mf[sl], S, g[:, sl, 0], c[:, sl, 0]).reshape(HV, n * W, V)
         elif regression:
             before = (st[:, None] > st[None, :])[..., None]                                  # s < t by step
@@ -410,3 +432,71 @@ def _step_row_writes(X, Y, mask, S0, g, c):
     rhs = Gp.exp()[..., None] * (X[:, :, 0] @ S0) + torch.einsum('htsa,hsav->htv', Kts, Ur)
     f = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)               # [HV, n, V]
     return torch.einsum('htai,hiv->htav', Ua, f) + Ur
+
+
+def _coef_subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m):
+    """One sub-chunk of :func:`chunk_coefficients` (steps tau .. tau + m - 1): its rows' steps and pairs, the
+    solve A = (I + P)^-1, the rows' state predictions Pi_i, right-hand sides R, writes CU = A R, and the
+    sub-chunk's output rows. Returns a dict of them (the backward reuses every one)."""
+    J = n + W - 1
+    dt = X.dtype
+    zero = torch.zeros((), dtype=dt, device=X.device)
+    ts = torch.arange(tau, min(tau + m, n), device=X.device)
+    st = ts.repeat_interleave(W)                                                    # the rows' steps
+    pr = st - torch.arange(W, device=X.device).repeat(len(ts)) + W - 1             # the rows' pairs (X rows)
+    Gs = G[tau - 1] if tau else zero                                                # G_{tau-1}
+    # A_i: P[r, s] = c_t(r) exp(G_{t(r)-1} - G_t(s)) x_r . x_s for t(s) < t(r) (chunk_win's _wy_p3)
+    Dm = torch.where(st[:, None] > st[None, :], (Gp[st][:, None] - G[st][None, :]).clamp(max=0).exp(), zero)
+    Mpp = M[pr][:, pr]
+    eye = torch.eye(len(st), dtype=dt, device=X.device)
+    A = torch.linalg.solve_triangular(eye + c[st][:, None] * Dm * Mpp, eye, upper=False, unitriangular=True)
+    src = torch.eye(2 * J, dtype=dt, device=X.device)
+    Sy, Sp = src[pr], src[J + pr]                                                   # y_p(r), pi_p(r) as sources
+    Pi = Gs.exp() * Sp + M[pr] @ Zacc                                               # rows' X S_(i) coefficients
+    ef = (Gp[st] - Gs).exp()
+    f = c[st] * ef
+    R = c[st][:, None] * Sy - f[:, None] * Pi
+    CU = A @ R
+    # outputs of the sub-chunk's steps: the state before it, then its rows up to the step
+    e1 = (G[ts] - Gs).exp()
+    QX = Q[ts] @ X.T
+    QXp = Q[ts] @ X[pr].T
+    Do = torch.where(ts[:, None] >= st[None, :], (G[ts][:, None] - G[st][None, :]).clamp(max=0).exp(), zero)
+    T1 = QX @ Zacc
+    out = e1[:, None] * T1 + (Do * QXp) @ CU
+    return dict(ts=ts, st=st, pr=pr, Gs=Gs, Dm=Dm, Mpp=Mpp, A=A, Sy=Sy, Sp=Sp, Pi=Pi, ef=ef, f=f, R=R, CU=CU, e1=e1,
+                QX=QX, QXp=QXp, Do=Do, T1=T1, O=out, Zin=Zacc, Gn=G[ts[-1]])
+
+
+def chunk_coefficients(X, Q, g, c, W, m=16):
+    r"""The coefficients of one chunk of a windowed regression rule (falcon3; falcon1 at W = 1) in the form whose
+    value-sized tensors are per step or per pair (``unknowns='coefficients'``, docs/falcon3_step_form.md).
+
+    X ``[J, K]``: the pairs of the chunk's windows, step-aligned (row t + W - 1 the newest pair of step t, the
+    first W - 1 rows the pairs before the chunk; zero rows where there is none), Q ``[n, K]`` the scaled queries,
+    g, c ``[n]`` the log-decays and coefficients. Returns (Oy, Opi, Zy, Zpi) with, for Pi = X S0,
+
+        o = exp(G) * (Q S0) + Oy Y + Opi Pi,      S_n = exp(G_n) S0 + X^T (Zy Y + Zpi Pi).
+
+    Sub-chunks of m steps are each solved in virtual rows (``A = (I + P)^-1`` over m W rows, the chunk kernels'
+    system) and coupled through the pairs; any m gives the same result. No value column and no state enters.
+
+    A virtual row r = (t, a) writes U_r = CU[r] . [Y; Pi] (pair p(r) = t - a, row t - a + W - 1). Sub-chunk i
+    (steps tau .. tau + m - 1) reads the state S_(i) before it only through its pairs' predictions
+    X S_(i) = exp(G_{tau-1}) Pi + M Zacc, with M = X X^T and Zacc the earlier rows' writes per pair, decayed to
+    tau - 1; its rows solve U = A_i (diag(c) E Y - diag(c exp(G_{t-1} - G_{tau-1})) E X S_(i))."""
+    n = Q.shape[0]
+    J = n + W - 1
+    G = torch.cumsum(g, 0)
+    Gp = G - g
+    M = X @ X.T                                                                     # J x J pair Gram
+    # per pair, the earlier rows' writes decayed to the sub-chunk's start: sum exp(G_{tau-1} - G_t(r)) e_p(r) CU[r]
+    Zacc = torch.zeros(J, 2 * J, dtype=X.dtype, device=X.device)
+    Orow = torch.zeros(n, 2 * J, dtype=X.dtype, device=X.device)
+    for tau in range(0, n, m):
+        sc = _coef_subchunk(X, Q, G, Gp, c, M, Zacc, tau, n, W, m)
+        Orow[sc['ts']] = sc['O']
+        # carry the writes to the next sub-chunk's start (or the chunk's end)
+        Zacc = (sc['Gn'] - sc['Gs']).exp() * Zacc
+        Zacc = Zacc.index_add(0, sc['pr'], (sc['Gn'] - G[sc['st']]).exp()[:, None] * sc['CU'])
+    return Orow[:, :J], Orow[:, J:], Zacc[:, :J], Zacc[:, J:]
