@@ -326,14 +326,15 @@ def _window_energy(k, last_k, tail_x, count, window, shift, use_init, cu_seqlens
     return E, Ue
 
 
-def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
-                      shift, output_final_state, cu_seqlens, window):
-    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors)."""
+def _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps, eps_gamma, lam_coupled, shift, cu_seqlens,
+                     window):
+    """The part of falcon3's forward every chunk form shares: the window energies (E, Ue), the gates (G over each
+    chunk of BS steps, c = eta / B_t) and A = (I + P)^-1 of each chunk's 64 virtual rows.
+    Returns (meta, WP, BS, row_kw, E, Ue, G, c, A) (_win_meta's first four)."""
     m, WP, BS, row_kw = _win_meta(q, v, window, S0, cu_seqlens, shift)
-    B, T, H, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
+    B, T, H, HV, K, V, BK, BV, NT = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BK', 'BV', 'NT'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
-    dev = q.device
-    f32 = dict(device=dev, dtype=torch.float32)
+    f32 = dict(device=q.device, dtype=torch.float32)
     use_init = S0 is not None
     varlen = cu_seqlens is not None
     E, Ue = _window_energy(k, last_k, tail_x, count, window, shift, use_init, cu_seqlens, ci, co)
@@ -355,6 +356,19 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     _wy_p3[(NT, B * HV)](k, last_k, count, tail_x, G, c, P, cu_seqlens, ci, co, T, ROUND_TF32=not INTERPRET,
                          **{x: y for x, y in row_kw.items() if x != 'V'})
     A = solve_tril(P.view(1, NV, HV, VR), output_dtype=k.dtype).view(NV, HV, VR)
+    return m, WP, BS, row_kw, E, Ue, G, c, A
+
+
+def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
+                      shift, output_final_state, cu_seqlens, window):
+    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors)."""
+    m, WP, BS, row_kw, E, Ue, G, c, A = _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps,
+                                                         eps_gamma, lam_coupled, shift, cu_seqlens, window)
+    B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
+    ci, co = m['chunk_indices'], m['chunk_offsets']
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    NV = m['NTH'] * VR
     Wt = torch.empty(NV, HV, K, device=dev, dtype=k.dtype)
     U = torch.empty(NV, HV, V, device=dev, dtype=k.dtype)
     _wy_wu3[(NT, B * HV)](k, v, last_k, count, tail_x, tail_v, G, c, A, Wt, U, cu_seqlens, ci, co, T, BV=BV, **row_kw)
