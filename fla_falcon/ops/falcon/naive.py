@@ -334,12 +334,7 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
     for t0 in range(0, T, chunk_size):
         n = min(chunk_size, T - t0)
         sl = slice(t0, t0 + n)
-        st = torch.arange(n, device=k.device).repeat_interleave(W)                          # step of each pair
-        X = Xw[:, sl].reshape(HV, n * W, K)
-        Y = Yw[:, sl].reshape(HV, n * W, V)
         G = torch.cumsum(g[:, sl], 1)                                                        # [HV, n, Vg]
-        Gp = G - g[:, sl]                                                                    # G_{t-1}
-        cv = c[:, sl][:, st]                                                                 # [HV, nW, Vg]
         if unknowns == 'coefficients':
             # values only per step and per pair: the chunk's coefficients, then products on n and J rows
             J = n + W - 1
@@ -354,6 +349,11 @@ def _falcon_chunk_sequence(q, k, v, beta, lam, state: FalconState, *, rule, wind
             outs.append(torch.stack(o_c))
             S = torch.stack(S_c)
             continue
+        st = torch.arange(n, device=k.device).repeat_interleave(W)                          # step of each pair
+        X = Xw[:, sl].reshape(HV, n * W, K)
+        Y = Yw[:, sl].reshape(HV, n * W, V)
+        Gp = G - g[:, sl]                                                                    # G_{t-1}
+        cv = c[:, sl][:, st]                                                                 # [HV, nW, Vg]
         if unknowns == 'steps':
             U = _step_row_writes(Xw[:, sl], Yw[:, sl], mf[sl], S, g[:, sl, 0], c[:, sl, 0]).reshape(HV, n * W, V)
         elif regression:
