@@ -53,7 +53,7 @@ for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; d
 echo "=== hazards"; python3 scripts/wgmma_hazards.py $HOME/.triton/cache > $L/hazards.txt 2>&1
 grep -v "^    " $L/hazards.txt | tail -n 12
 cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
-    chain.log stage tests* extra* precmd.log sidecmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep* alt hazards.txt 2>/dev/null
+    chain.log stage tests* extra* f3forms* precmd.log sidecmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep* alt hazards.txt 2>/dev/null
 # files a command left in $L/out (at most 6, each under 16 MiB: the device's limits on what comes back) come back
 # beside results.tgz, e.g. the parts of a launch recording (scripts/replay_launches.py, split -b 15M)
 for f in $L/out/*; do [ -f "$f" ] && cp "$f" $OUT/; done
