@@ -30,6 +30,13 @@ if INTERPRET:
 
     Autotuner.run = _run_with_tensor_outputs
 
+    if os.environ.get('FLA_FALCON_BOUNDS', '1') != '0':
+        # every unmasked load / store inside a kernel argument's storage (tests/interpreter_bounds.py): the
+        # interpreter would otherwise carry on where a GPU faults
+        from interpreter_bounds import install as _install_bounds
+
+        _install_bounds()
+
 
 @pytest.fixture
 def device():
