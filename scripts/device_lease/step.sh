@@ -53,8 +53,10 @@ for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; d
 # for a shared-memory slot an asynchronous wgmma still reads when the pipeliner's next copy lands in it
 echo "=== hazards"; python3 scripts/wgmma_hazards.py $HOME/.triton/cache > $L/hazards.txt 2>&1
 grep -v "^    " $L/hazards.txt | tail -n 12
-cd $L && tar czf $OUT/results.tgz --exclude='*.spec.json' --ignore-failed-read \
-    chain.log stage tests* extra* f3forms* precmd.log sidecmd.log profile.log warm.log paper.log paper probe prebench.log prebench accuracy.log accuracy bench.log bench sweep* alt hazards.txt 2>/dev/null
+# everything the lease wrote (a fixed list of names once left out a probe's output: F3F, thirty-fifth lease), but
+# $L/out (copied below as it is) and files over 7 MiB, which would crowd the 16 MiB a returned file may have
+cd $L && find . -path ./out -prune -o -type f -size -8M ! -name '*.spec.json' -print \
+    | tar czf $OUT/results.tgz --ignore-failed-read -T - 2>/dev/null
 # files a command left in $L/out (at most 6, each under 16 MiB: the device's limits on what comes back) come back
 # beside results.tgz, e.g. the parts of a launch recording (scripts/replay_launches.py, split -b 15M)
 for f in $L/out/*; do [ -f "$f" ] && cp "$f" $OUT/; done
