@@ -38,7 +38,7 @@ done
 echo "=== chain.log"; grep -v "^+ export\|^+ PYTHON\|^+ TRITON" $L/chain.log | tail -n 25
 for f in $L/tests*.summary; do [ -f "$f" ] && { echo "=== $f"; tail -n 8 "$f"; }; done
 echo "=== f3forms"; tail -n 30 $L/f3forms.log 2>/dev/null; cat $L/f3forms/*.md 2>/dev/null | head -n 60
-echo "=== cfdiag"; cat $L/cfdiag/stages 2>/dev/null; cat $L/cfdiag/f3forms/*.md 2>/dev/null | head -n 40
+echo "=== cfdiag"; cat $L/cfdiag/stages 2>/dev/null; cat $L/cfdiag/f3forms*/*.md 2>/dev/null | head -n 80
 echo "=== profile"; grep -E "^==|ms " $L/profile.log 2>/dev/null | head -n 60
 echo "=== paper"; grep -E "ok,|SKIPPED|failed|Error" $L/paper.log 2>/dev/null | cut -c1-200 | tail -n 30
 for f in $L/probe/*/log; do [ -f "$f" ] && { echo "=== $f: $(cat ${f%log}args)"; grep -E "ok,|SKIPPED|step [0-9]+0000/" "$f" | cut -c1-160 | tail -n 8; }; done
