@@ -231,15 +231,6 @@ def _col_gate(b_beta, b_lp, b_rden, eps_gamma):
 
 
 @triton.jit
-def _store_step_factors(F, b_g, boh, i_t, i_hv, o_v, m_t, HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """falcon2's per-step decay factors F = exp(g) <= 1 of a chunk's rows ([BT, BV] log-decays b_g, columns o_v),
-    stored BT rows per chunk with 1 on the rows past the sequence's end, so that the substitution steps of
-    chunk_col.py read them without a mask (_prep_fwd in the forward, _col_decay in the backward)."""
-    p_f = (((boh + i_t) * BT + tl.arange(0, BT)) * HV + i_hv)[:, None] * V + o_v[None, :]
-    tl.store(F + p_f, tl.where(m_t[:, None], tl.exp(b_g), 1.), mask=(o_v < V)[None, :])
-
-
-@triton.jit
 def _col_rg(rg, bos, o_t, m_t, i_hv, HV: tl.constexpr):
     """The row gates (lam', 1 / den) of the rows o_t ([BT] each), stored by _prep_fwd."""
     p_rg = rg + ((bos + o_t) * HV + i_hv) * 2
@@ -474,23 +465,20 @@ def _band_w(wm, bos, i_hv, HV: tl.constexpr, o_t, m_t, o_s, WIN: tl.constexpr, T
 # forward kernels
 # ----------------------------------------------------------------------------------------------
 
-@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN', 'STORE_F'])
+@triton.autotune(configs=CONFIGS, key=['H', 'HV', 'K', 'V', 'BT', 'PER_COL', 'WIN', 'E_GIVEN', 'IS_VARLEN'])
 @triton.jit
-def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg, F,
+def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg,
               cu_seqlens, chunk_indices, chunk_offsets, eps, eps_gamma, T,
               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
               SHIFT: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
               HAS_LAM: tl.constexpr, LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-              IS_VARLEN: tl.constexpr, E_GIVEN: tl.constexpr, WIN_AUX: tl.constexpr = False,
-              STORE_F: tl.constexpr = False):
+              IS_VARLEN: tl.constexpr, E_GIVEN: tl.constexpr, WIN_AUX: tl.constexpr = False):
     """Shift, energies, gates and the in-chunk cumulative log-decay G over BT steps; `eta` holds eta (the windowed
     rules: c = eta / B_t). E_GIVEN: the window energies are read from E (falcon3, see _win_gates). WIN_AUX (falcon3a):
     also the log-decay g, the window energy and 1 / B_t per step (gl, Ew, rBw), which _win_weights and the backward
     read instead of reloading the window's keys. PER_COL: the row gates rg = (lam', 1 / den) per step (0 without a
-    pair) in place of eta, which the kernels form from beta and rg where they read it (eta = beta * (1 / den));
-    STORE_F (falcon2): also F = exp(g) per column, the decay factors of falcon2's substitution steps (BT rows per
-    chunk, 1 past the end)."""
+    pair) in place of eta, which the kernels form from beta and rg where they read it (eta = beta * (1 / den))."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -514,8 +502,6 @@ def _prep_fwd(k, v, beta, lam, last_k, count, tail_x, E, G, eta, gl, Ew, rBw, rg
             b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
             b_eta, b_a, clamped, b_g = _col_gate(b_beta, b_lp[:, None], b_rden[:, None], eps_gamma)
             tl.store(G + p_tv, tl.cumsum(b_g, 0), mask=m_tv)
-            if STORE_F:
-                _store_step_factors(F, b_g, boh, i_t, i_hv, o_v, m_t, HV, V, BT)
     elif WIN > 0:
         # falcon3a / falcon3: the window energy and B_t; the step weight c_t = eta_t / B_t is what the kernels read
         valid, b_rB, b_E, b_lp, b_den, b_eta, b_a, clamped, b_g = _win_gates(
@@ -2191,7 +2177,7 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     # the per-column rules: the row gates (lam', 1 / den) for the backward
     rg = torch.empty(B, T, HV, 2, device=dev, dtype=torch.float32) if per_col else None
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, rg, None, cu_seqlens, ci, co, eps, eps_gamma, T,
+        k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, rg, cu_seqlens, ci, co, eps, eps_gamma, T,
         PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False,
         WIN_AUX=bool(win), **common)
     wm, eta_gla = None, eta

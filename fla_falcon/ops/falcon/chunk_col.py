@@ -42,10 +42,10 @@ Backward, per chunk and column, with ``du`` the direct gradient of u (the output
 then the gates' chain rule as for falcon2a (reverse cumsum, log1p(-alpha), the clamp, eta, E, lam,
 lam_coupled) and the key gradient shifted back onto k / the carried last key.
 
-Kernels: ``_prep_fwd`` (chunk.py: shift, the row gates, G per column and the step factors F; eta = beta / den is
-formed where it is read), ``_gram`` (the key Gram of each 16-row block, once per key head, kept for the backward),
-``_fwd_h_delta_col`` (sequential: chunk-start states, the solve, r), ``_fwd_o_col`` (chunk.py, fed u = eta r);
-backward ``_bwd_dv_local_col`` (chunk.py), ``_col_decay`` (F again, from the saved G), ``_bwd_dhu_delta_col``
+Kernels: ``_prep_fwd`` (chunk.py: shift, the row gates, G per column; eta = beta / den is formed where it is read),
+``_col_decay`` (the step factors F from G), ``_gram`` (the key Gram of each 16-row block, once per key head, kept for
+the backward), ``_fwd_h_delta_col`` (sequential: chunk-start states, the solve, r), ``_fwd_o_col`` (chunk.py, fed
+u = eta r); backward ``_bwd_dv_local_col`` (chunk.py), ``_col_decay`` (F again), ``_bwd_dhu_delta_col``
 (sequential: state gradients, the transposed solve), ``_bwd_col_gates`` and ``_bwd_col_dqk`` (chunk.py, shared
 with falcon2a, ``DELTA=True``: dq, dk, dv, dbeta, dlam).
 
@@ -83,7 +83,6 @@ from fla_falcon.ops.falcon.chunk import (
     _reduce_groups,
     _seq_info,
     _seq_span,
-    _store_step_factors,
 )
 
 
@@ -137,8 +136,9 @@ def _block_rows(k, last_k, count, G, beta, rg, i_n, i_h, i_hv, bos, r0, c0, T, o
 def _col_decay(G, F, cu_seqlens, chunk_indices, chunk_offsets, T, HV: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The per-step decay factors F[t, c] = exp(G[t, c] - G[t - 1, c]) <= 1 (G of the row before the chunk: 0) that
-    the sequential kernels' substitution steps read, for the backward (the forward's come from _prep_fwd), laid out
-    by _store_step_factors."""
+    the sequential kernels' substitution steps read, forward and backward: stored BT rows per chunk with 1 on the rows
+    past the sequence's end, so that the steps read them without a mask. (Written by _prep_fwd beside G, they cost it
+    131 us at (4, 4096, 16, 128, 128) on the H200, twice this whole pass; thirty-first lease.)"""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
@@ -150,7 +150,8 @@ def _col_decay(G, F, cu_seqlens, chunk_indices, chunk_offsets, T, HV: tl.constex
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_G = tl.load(G + p_tv, mask=m_tv, other=0)
         b_Gp = tl.load(G + p_tv - HV * V, mask=m_tv & (o_t > i_t * BT)[:, None], other=0)
-        _store_step_factors(F, tl.minimum(b_G - b_Gp, 0.), boh, i_t, i_hv, o_v, m_t, HV, V, BT)
+        p_f = (((boh + i_t) * BT + tl.arange(0, BT)) * HV + i_hv)[:, None] * V + o_v[None, :]
+        tl.store(F + p_f, tl.where(m_t[:, None], tl.exp(tl.minimum(b_G - b_Gp, 0.)), 1.), mask=(o_v < V)[None, :])
 
 
 @triton.jit
@@ -347,6 +348,15 @@ def _common(m, shift, use_init, cu_seqlens):
                 USE_INITIAL_STATE=use_init, IS_VARLEN=cu_seqlens is not None)
 
 
+def _step_factors(G, m, cu_seqlens):
+    """falcon2's per-step decay factors F from G (_col_decay), [NTH * BT, HV, V] fp32."""
+    F = torch.empty(m['NTH'] * m['BT'], m['HV'], m['V'], device=G.device, dtype=torch.float32)
+    _col_decay[(m['NT'], m['B'] * m['HV'])](
+        G, F, cu_seqlens, m['chunk_indices'], m['chunk_offsets'], m['T'], HV=m['HV'], V=m['V'], BT=m['BT'], BV=m['BV'],
+        IS_VARLEN=cu_seqlens is not None, num_warps=4)
+    return F
+
+
 def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
                 output_final_state, cu_seqlens, chunk_size):
     m = _meta(q, v, chunk_size, cu_seqlens)
@@ -357,12 +367,11 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     f32 = dict(device=dev, dtype=torch.float32)
     G = torch.empty(B, T, HV, V, **f32)
     rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den): eta = beta / den is formed where it is read
-    # the substitution steps' decay factors exp(g) (1 past the end) and key Grams (0 past the end), BT rows per chunk
-    F = torch.empty(m['NTH'] * m['BT'], HV, V, **f32)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, F, cu_seqlens, ci, co, eps,
-        eps_gamma, T,
-        PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, STORE_F=True, **common)
+        k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, cu_seqlens, ci, co, eps,
+        eps_gamma, T, PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
+    # the substitution steps' decay factors exp(g) (1 past the end) and key Grams (0 past the end), BT rows per chunk
+    F = _step_factors(G, m, cu_seqlens)
     BS = min(SUB, m['BT'])
     M = torch.empty(m['NTH'] * m['BT'], m['H'], BS, **f32)
     gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT', 'USE_INITIAL_STATE',
@@ -402,9 +411,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
-    F = torch.empty(m['NTH'] * BT, HV, V, **f32)
-    _col_decay[(NT, B * HV)](G, F, cu_seqlens, ci, co, T, HV=HV, V=V, BT=BT, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                             num_warps=4)
+    F = _step_factors(G, m, cu_seqlens)   # as in the forward (recomputed: not kept beside G)
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
         USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)

@@ -342,8 +342,7 @@ def _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps, eps_gam
     G = torch.empty(B, T, HV, **f32)
     c = torch.empty(B, T, HV, **f32)
     _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, E, G, c, None, None, None, None, None, cu_seqlens, ci, co, eps,
-        eps_gamma, T,
+        k, v, beta, lam, last_k, count, tail_x, E, G, c, None, None, None, None, cu_seqlens, ci, co, eps, eps_gamma, T,
         H=H, HV=HV, K=K, V=V,
         BT=BS, BK=BK, BV=BV, SHIFT=int(shift), PER_COL=False, WIN=window, HAS_LAM=lam is not None,
         LAM_COUPLED=lam_coupled, USE_INITIAL_STATE=use_init, IS_VARLEN=varlen, E_GIVEN=True)
