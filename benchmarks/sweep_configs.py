@@ -110,10 +110,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
 
 
-def sweep(op: str, kernel_name: str, shape, configs, window: int = 4, time: bool = True, device: str = 'cuda'):
-    """Per config: max relative difference of the kernel's outputs from the first config's, and (time) ms."""
+def sweep(op: str, kernel_name: str, shape, configs, window: int = 4, time: bool = True, device: str = 'cuda',
+          ignore=()):
+    """Per config: max relative difference of the kernel's outputs from the first config's, and (time) ms. ignore:
+    arguments left out of the comparison (scratch whose layout depends on the config, e.g. _bwd_col_gates' rowp,
+    one slot per program)."""
     B, T, H, K, V = shape
     kernel = find_kernel(kernel_name)
+    unknown = sorted(set(ignore) - set(kernel.fn.arg_names))
+    if unknown:
+        raise SystemExit(f"--ignore: {kernel_name} has no argument {', '.join(map(repr, unknown))}")
+    skip = {kernel.fn.arg_names.index(n) for n in ignore}
     cases, leaves = bc.make_cases(B, T, H, K, V, window, device=device)
     if op not in cases:
         raise SystemExit(f"--op {op!r}: choose from {sorted(cases)}")
@@ -129,7 +136,7 @@ def sweep(op: str, kernel_name: str, shape, configs, window: int = 4, time: bool
         except Exception as e:   # noqa: BLE001  (out of resources, compile errors: reported, not fatal)
             rows.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
             continue
-        outs = {i: a.clone() for i, a in enumerate(seen['args']) if isinstance(a, torch.Tensor)
+        outs = {i: a.clone() for i, a in enumerate(seen['args']) if isinstance(a, torch.Tensor) and i not in skip
                 and not torch.equal(a, seen['before'][i])}
         if ref is None:
             ref = outs
@@ -157,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument('--no-time', action='store_true', help='only compare the configs\' outputs (any machine)')
     p.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'sweep'),
                    help='folder for sweep_<op>_<kernel>.json and .md (default: %(default)s)')
+    p.add_argument('--ignore', nargs='+', default=[], metavar='ARG',
+                   help="kernel arguments not compared (scratch laid out per config, e.g. _bwd_col_gates' rowp)")
     args = p.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split(','))
     if len(shape) != 5:
@@ -167,14 +176,15 @@ def main(argv=None) -> int:
         raise SystemExit('timing needs a CUDA GPU; use --no-time to only compare the configs')
     if device == 'cuda':
         bc.lift_fla_guard()
-    rows = sweep(args.op, args.kernel, shape, configs, args.window, not args.no_time, device)
+    rows = sweep(args.op, args.kernel, shape, configs, args.window, not args.no_time, device, args.ignore)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"sweep_{args.op}_{args.kernel.lstrip('_')}")
-    meta = dict(op=args.op, kernel=args.kernel, shape=shape, window=args.window,
+    meta = dict(op=args.op, kernel=args.kernel, shape=shape, window=args.window, not_compared=args.ignore,
                 device=torch.cuda.get_device_name() if device == 'cuda' else 'cpu (Triton interpreter)')
     with open(stem + '.json', 'w') as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
     lines = [f"# {args.kernel} of {args.op} at (B, T, H, K, V) = {shape}, {meta['device']}", '',
+             *([f"Not compared: {', '.join(args.ignore)}.", ''] if args.ignore else []),
              '| config | ms | max relative difference from the first config |', '|---|---:|---:|']
     for r in rows:
         cfg = ', '.join(f"{k}={v}" for k, v in r['config'].items())

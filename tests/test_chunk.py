@@ -49,8 +49,9 @@ def make_inputs(rule, B, T, H, G, K, V, lam_mode, init, device, seed=0, cu_seqle
 
 
 def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, cu_seqlens=None, chunk_size=64,
-             seed=1, eps=1e-6, window=1):
-    """Runs both ops with the same upstream gradients; returns [(name, ref, tri)]."""
+             seed=1, eps=1e-6, window=1, final=True):
+    """Runs both ops with the same upstream gradients; returns [(name, ref, tri)]. final=False: no final state
+    (output_final_state=False), the loss reads the outputs only."""
     leaves = {'q': q, 'k': k, 'v': v, 'beta': beta}
     if lam is not None:
         leaves['lam'] = lam
@@ -59,7 +60,7 @@ def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, 
         leaves['S0'], leaves['last_k'] = state.S, state.last_k
         if window > 1:
             leaves['tail_x'], leaves['tail_v'] = state.tail_x, state.tail_v
-    kw = dict(rule=rule, lam_coupled=lam_mode == 'coupled', shift=shift, output_final_state=True,
+    kw = dict(rule=rule, lam_coupled=lam_mode == 'coupled', shift=shift, output_final_state=final,
               cu_seqlens=cu_seqlens, eps=eps, window=window)
     results = {}
     for name, cast in (('ref', torch.float64), ('tri', dtype)):
@@ -79,6 +80,12 @@ def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, 
         assert o.dtype == xs['v'].dtype
         g = torch.Generator(device='cpu').manual_seed(seed)
         do = torch.randn(o.shape, generator=g).to(o.device, torch.float64)
+        if not final:
+            assert fs is None
+            (o.double() * do).sum().backward()
+            results[name] = [('o', o)] + [(f'd{n}', t.grad if t.grad is not None else torch.zeros_like(t))
+                                          for n, t in xs.items()]
+            continue
         dS = torch.randn(fs.S.shape, generator=g).to(o.device, torch.float64)
         loss = (o.double() * do).sum() + (fs.S.double() * dS).sum() + fs.last_k.double().sum()
         if window > 1:   # the final window tail is differentiable too (an indexing of k, v and the old tail)
@@ -91,7 +98,8 @@ def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, 
         results[name] = [('o', o), ('S', fs.S), ('last_k_T', fs.last_k)] + tails + [
             (f'd{n}', t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in xs.items()]
         results[name + '_count'] = fs.count
-    assert torch.equal(results['ref_count'].cpu(), results['tri_count'].cpu())
+    if final:
+        assert torch.equal(results['ref_count'].cpu(), results['tri_count'].cpu())
     return [(n, r.detach().double(), t.detach().double()) for (n, r), (_, t) in zip(results['ref'], results['tri'])]
 
 
@@ -205,6 +213,16 @@ def test_varlen(rule, shift, device):
     cu = torch.tensor([0, 1, 20, 20, 57, 90], device=device)
     inputs = make_inputs(rule, 1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu)
     check(run_both(rule, *inputs, torch.float32, shift=shift, cu_seqlens=cu, chunk_size=16), torch.float32)
+
+
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_without_final_state(rule, device):
+    """output_final_state=False: the backward gets no final-state gradient (dht None), so the kernels must not
+    read the final state (the per-column rules' decay gradient takes its last-chunk term from it when given)."""
+    cu = torch.tensor([0, 20, 57, 90], device=device)
+    inputs = make_inputs(rule, 1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu, window=win(rule))
+    check(run_both(rule, *inputs, torch.float32, cu_seqlens=cu, chunk_size=16, window=win(rule), final=False),
+          torch.float32)
 
 
 # two fp32 kernel runs that should agree: exactly up to rounding on the CPU, up to TF32 matmul

@@ -25,8 +25,8 @@ Forward: ``_prep_fwd`` (shift, energies, gates, local cumsum), falcon1's ``_wy_s
 Backward: ``_bwd_dv_local`` + ``_bwd_dhu`` (state gradients, dU), ``_bwd_dqx`` (dq, the attention
 part of dx, the decay gradients of the output/state paths; falcon1a finishes there with the gates'
 chain rule) and, for falcon1, ``_bwd_gates`` (the WY backward, then the gates' chain rule).
-falcon2a uses ``_fwd_o_col``, ``_bwd_dv_local_col``, ``_bwd_col_gates`` (gates) and ``_bwd_col_dqk`` (state paths,
-intra-chunk products, dq and dk) for the per-column parts.
+falcon2a uses ``_fwd_o_col``, ``_bwd_dhu`` then ``_bwd_dv_local_col`` (du with its state path), ``_bwd_col_gates``
+(gates) and ``_bwd_col_dqk`` (state paths, intra-chunk products, dq and dk) for the per-column parts.
 The decay gradient uses the usual identities (every ``+G_t`` term of an output / every ``-G_s``
 term of a write): ``dG_t = q_t.dq_t - x_t.dx_t`` (scalar decay) or ``o_t * do_t - u_t * du_t``
 (per column), plus ``<S_next, dS_next>`` on the chunk's last row; ``dg`` is its reverse cumsum
@@ -89,17 +89,17 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=s) for s in (2, 3) for bv in (64, 32) for w in (4, 8)]
 CONFIGS_H2 = [c for c in CONFIGS_H if c.num_stages == 2]   # falcon3's _bwd_dhu3: 3 stages need 234 KB at BV = 64
 # the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block; a program
-# takes COL_NVP blocks of BV = COL_BV in a loop (both fixed: each program writes its own slot of per-row sums), so a
-# 128-wide head's keys are loaded once per chunk. The [BT, K] accumulators of the state paths are _bwd_col_dqk's (one
-# kernel with both spilled 280-1080 B per thread at BV = 32-64). Since the row gates come from the forward (rg), not
-# from an fp32 copy of the key tile, 4 warps hold a 32-wide block in 214-222 registers without stack (aot_check
-# sm_90, K = V = 128 bf16): two programs per SM. Twenty-third lease's sweep (benchmarks/results/sweep/
-# sweep_falcon2a_bwd_col_gates.md, _falcon2_): 0.567 / 0.515 ms (falcon2a / falcon2) at 4 warps, 32 x 4, against
-# 0.623 / 0.630 at 8 warps, 64 x 2, and 0.855 / 0.768 at 8 warps, 32 x 4 (one program per SM); the kernel with
-# one program per 32-wide block and the keys' energies recomputed took 617 / 647 us (twenty-second lease)
-COL_BV = 32
-COL_NVP = 4
-CONFIGS_COLG = [triton.Config({}, num_warps=4, num_stages=2)]
+# takes NVP blocks of BV columns in a loop and writes its own slot of per-row sums (the host sizes them for the
+# narrowest block, 16, and reads the split that ran back from best_config, so benchmarks/sweep_configs.py can time
+# others). 32 x 2 on 4 warps: the fastest summed over both rules and shapes in the thirty-eighth lease's sweep (H100,
+# benchmarks/results/col_nodot/sweep_*_bwd_col_gates_*.md): falcon2a 0.222 / 0.257 ms at
+# (4, 4096) / (1, 16384) x (16, 128, 128), falcon2 0.408 / 0.413, against 0.236 / 0.261 and 0.435 / 0.464 at 32 x 4
+# (the split of the twenty-third lease, when the kernel also loaded each chunk's keys for a product x dh), 32 x 1
+# within 7% of it, 64 x 1 on 8 warps and 16 x 1 slower. No product, key or G in the kernel (the state path is
+# _bwd_dv_local_col's): 1336 / 1728 SASS instructions and 9 / 12 barriers at K = V = 128 bf16 (aot_check sm_90),
+# against 2504 and 63 with the product. The [BT, K] accumulators of the state paths are _bwd_col_dqk's (one kernel
+# with both spilled 280-1080 B per thread at BV = 32-64).
+CONFIGS_COLG = [triton.Config({'BV': 32, 'NVP': 2}, num_warps=4, num_stages=2)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1425,19 +1425,38 @@ def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o32, scale,
                 tl.store(o32 + p_vt, b_o, mask=m_vt)
 
 
+@triton.jit
+def _next_state(h, ht, p_h, p_kv, m, m_next, i_n, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                HAS_FINAL: tl.constexpr):
+    """A tile of the state at a chunk's end, fp32: the next chunk's start state (h at p_h, this chunk's, plus one
+    chunk) where m_next, else (the sequence's last chunk) the final state ht at p_kv of sequence i_n when HAS_FINAL
+    (its gradient was given), else 0 (no gradient reaches it)."""
+    b_h = tl.load(h + p_h + HV * K * V, mask=m & m_next, other=0).to(tl.float32)
+    if HAS_FINAL:
+        b_h += tl.load(ht + (i_n * HV + i_hv) * K * V + p_kv, mask=m & ~m_next, other=0)
+    return b_h
+
+
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
+def _bwd_dv_local_col(q, k, last_k, count, G, h, ht, dh, end, do, du, scale,
                       cu_seqlens, chunk_indices, chunk_offsets, T,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                      SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STATE: tl.constexpr,
+                      HAS_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr):
     """dU_s = scale sum_{t >= s} (q_t.x_s) exp(G_t - G_s) * do_t per column, transposed as _fwd_o_col: a [BV, 16]
     tile per 16-row sub-chunk b of rows s, one product over all t >= s factored at b's last row l
     (exp(G_l - G_s) <= 1 outside, exp(G_t - G_l) <= 1 for t > l and <= e^DIAG_SPAN inside b when the decay there
     spans at most DIAG_SPAN; else only the rows after b in the product and the diagonal block one offset at a
-    time). A chunk whose decay spans at most CHUNK_SPAN takes one [BV, BT] tile, factored at its last row."""
+    time). A chunk whose decay spans at most CHUNK_SPAN takes one [BV, BT] tile, factored at its last row.
+
+    STATE (falcon2a, after the state gradients): plus the state path exp(G_C - G_s) x_s . dh per column (dh: the
+    gradient of the chunk's end state), so that du is the written vectors' whole gradient (falcon2's sequential
+    kernel adds its own); and, with dh at hand, the decay gradient's end term sum_k S_next * dS_next per column into
+    end ([chunks, HV, V]: S_next the next chunk's start state h, or at the sequence's end the final state ht when
+    its gradient was given, HAS_FINAL; see _bwd_col_gates)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1459,13 +1478,26 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
     b_doT = tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32)
     # the whole chunk at once when its decay spans at most CHUNK_SPAN, factored at its last row l
     b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+    if STATE:
+        # the chunk's end-state gradient and end state (the next chunk's start, or the final state), transposed
+        p_hT = ((boh + i_t) * HV + i_hv) * K * V + o_k[None, :] * V + o_v[:, None]
+        m_vk = m_v[:, None] & m_k[None, :]
+        b_dhT = tl.load(dh + p_hT, mask=m_vk, other=0)
+        m_next = (i_t * BT + BT + o_k * 0) < T
+        b_hnT = _next_state(h, ht, p_hT, o_k[None, :] * V + o_v[:, None], m_vk, m_next[None, :], i_n, i_hv,
+                            HV, K, V, HAS_FINAL)
+        tl.store(end + ((boh + i_t) * HV + i_hv) * V + o_v, tl.sum(b_hnT * b_dhT.to(tl.float32), 1), mask=m_v)
+        b_dhT = b_dhT.to(dt)
     span_c = tl.max(tl.max(tl.where(m_vt, b_Gt - b_Gl[:, None], 0.), 1), 0)
     if span_c <= CHUNK_SPAN:
         b_x, valid = _load_x(k, last_k, count, i_n, i_h, bos, r_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
         b_A = tl.where(r_t[:, None] >= r_t[None, :], tl.dot(b_q, tl.trans(b_x)), 0.)   # [t, s]
         b_in = tl.where(m_vt, b_doT * tl.exp(tl.where(m_vt, b_Gt - b_Gl[:, None], 0.)), 0.)
-        b_du = tl.where(m_vt, tl.dot(b_in.to(dt), b_A.to(dt)) * tl.exp(tl.where(m_vt, b_Gl[:, None] - b_Gt, 0.)), 0.)
-        tl.store(du + p_vt, b_du * scale, mask=m_vt)
+        b_du = tl.dot(b_in.to(dt), b_A.to(dt)) * scale
+        if STATE:
+            b_du += tl.dot(b_dhT, tl.trans(b_x))
+        b_du = tl.where(m_vt, b_du * tl.exp(tl.where(m_vt, b_Gl[:, None] - b_Gt, 0.)), 0.)
+        tl.store(du + p_vt, b_du, mask=m_vt)
     else:
         for b in range(BT // 16):
             f = i_t * BT + b * 16
@@ -1478,55 +1510,67 @@ def _bwd_dv_local_col(q, k, last_k, count, G, do, du, scale,
             # q_t . x_s for t >= s: [BT, 16]
             b_A = tl.where(r_t[:, None] >= r_s[None, :], tl.dot(b_q, tl.trans(b_x)), 0.)
             # G at b's last real row (none when b is past the sequence's end: every mask below is then empty)
-            b_Gl = tl.load(G + ((bos + min(f + 15, last)) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) <= last),
+            b_Gb = tl.load(G + ((bos + min(f + 15, last)) * HV + i_hv) * V + o_v, mask=m_v & ((f + o_v * 0) <= last),
                            other=0)
-            span = tl.max(tl.max(tl.where(m_vs, b_Gs - b_Gl[:, None], 0.), 1), 0)
+            span = tl.max(tl.max(tl.where(m_vs, b_Gs - b_Gb[:, None], 0.), 1), 0)
             if span <= DIAG_SPAN:
                 m_in = m_vt & (r_t >= f)[None, :]
             else:
                 m_in = m_vt & (r_t >= f + 16)[None, :]
-            b_in = tl.where(m_in, b_doT * tl.exp(tl.where(m_in, b_Gt - b_Gl[:, None], 0.)), 0.)
+            b_in = tl.where(m_in, b_doT * tl.exp(tl.where(m_in, b_Gt - b_Gb[:, None], 0.)), 0.)
             b_du = tl.where(m_vs, tl.dot(b_in.to(dt), b_A.to(dt))
-                            * tl.exp(tl.where(m_vs, b_Gl[:, None] - b_Gs, 0.)), 0.)
+                            * tl.exp(tl.where(m_vs, b_Gb[:, None] - b_Gs, 0.)), 0.)
             if span > DIAG_SPAN:
                 b_du = _diag16_offsets(b_du, b_A, r_t, do, None, None, G, b_Gs, bos, f, i_hv, T, r_s, m_vs, o_v,
                                        m_v, HV, V, False)
-            tl.store(du + p_vs, b_du * scale, mask=m_vs)
+            b_du = b_du * scale
+            if STATE:
+                # the state path, factored at the chunk's last row: exp(G_C - G_s) <= 1
+                b_du += tl.where(m_vs, tl.dot(b_dhT, tl.trans(b_x)) * tl.exp(tl.where(m_vs, b_Gl[:, None] - b_Gs, 0.)),
+                                 0.)
+            tl.store(du + p_vs, b_du, mask=m_vs)
 
 
-@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'BV', 'NVP', 'DELTA', 'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col_gates(k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, NTOK, eps_gamma,
+def _bwd_col_gates(v, val, beta, rg, h, ht, dh, end, o, do, dval, dv, dbeta, rowp, NTOK, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NVP: tl.constexpr,
-                   SHIFT: tl.constexpr, DELTA: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The per-column rules per chunk, first kernel, one program per NVP value blocks of BV columns (both fixed by
-    the host, not tuned: each program writes its own slot of the row partial sums rowp): the per-column decay
+                   SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_FINAL: tl.constexpr, END: tl.constexpr,
+                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The per-column rules per chunk, first kernel, one program per NVP value blocks of BV columns (one config:
+    each program writes its own slot of the row partial sums rowp, so the host reads the split back): the decay
     gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the
     gates' chain rule (dbeta and dv written), and this program's share of the per-row sums d(lam') and d(den)
-    (rowp[i_vp]: _bwd_col_dqk adds the programs' shares). The keys and the row statistics are loaded once per
-    program and the value blocks taken in a loop; the row gates (lam', 1 / den) are the forward's (rg, _prep_fwd),
-    not recomputed from the keys' energies. The written vectors are u = eta * val:
+    (rowp[i_vp]: _bwd_col_dqk adds the programs' shares). The row statistics are loaded once per program and the
+    value blocks taken in a loop; the row gates (lam', 1 / den) are the forward's (rg, _prep_fwd),
+    not recomputed from the keys' energies. The written vectors are u = eta * val, and dval is their whole gradient:
 
-    - falcon2a (DELTA=False): val = v; dval is the in-chunk outputs' part of du (_bwd_dv_local_col), to
-      which the state path exp(G_C - G) X dh is added here;
+    - falcon2a (DELTA=False): val = v; dval from _bwd_dv_local_col (the outputs' part and the state path);
     - falcon2 (DELTA=True, chunk_col.py): val = r = v - x.S_{t-1} (the residual), dval = drhs from the
       transposed solve (all paths). On top: Gx = G - g in L (-a p with p = v - r the prediction,
-      a = eta drhs), which g_t itself does not enter."""
+      a = eta drhs), which g_t itself does not enter.
+
+    The chunk's last row also carries G_C's path through the next state, S_next = exp(G_C) S0 + sum_s exp(G_C - G_s)
+    x_s u_s: sum_k S_next * dS_next per column, from end (END: falcon2a, formed by _bwd_dv_local_col) or here from
+    the next chunk's start state h (the sequence's last chunk: the final state ht when its gradient dht was given,
+    HAS_FINAL; else dS_next = 0) and dh. No key and no matrix product in
+    this kernel (nor G: only that product's factor exp(G_C - G) read it): the product held every tile of the gate
+    chain in the tensor-core accumulator layout, ~13 layout conversions through shared memory per value block (TTGIR,
+    thirty-second session)."""
     i_vp, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
     i_n, i_t, bos, T, boh = _seq_info(i_t, i_b, chunk_indices, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     o_s = tl.arange(0, BT)
     o_t = i_t * BT + o_s
     m_t = o_t < T
     last = min(i_t * BT + BT, T) - 1
     o_k = tl.arange(0, BK)
-    b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    dt = b_xl.dtype
+    # where S_next is: the next chunk's start state, or (the sequence's last chunk) the final state
+    m_next = (i_t * BT + BT + o_k * 0) < T
     # per-row float factors, not bool masks: Triton cannot move i1 tensors between layouts through shared memory,
-    # and these rows meet the dot layouts below. 1 / den is 0 on rows without a pair (and where den = 0): their
+    # and these rows meet the tiles' layouts below. 1 / den is 0 on rows without a pair (and where den = 0): their
     # eta and every gradient below are 0
     p_rg = rg + ((bos + o_t) * HV + i_hv) * 2
     b_lp = tl.load(p_rg, mask=m_t, other=0)
@@ -1540,23 +1584,21 @@ def _bwd_col_gates(k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv
         p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-        b_h = tl.load(h + p_kv, mask=m_kv, other=0)
-        b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
+        if END:
+            b_end = tl.load(end + ((boh + i_t) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        else:
+            b_hn = _next_state(h, ht, p_kv, o_k[:, None] * V + o_v[None, :], m_kv, m_next[:, None], i_n, i_hv,
+                               HV, K, V, HAS_FINAL)
+            b_end = tl.sum(b_hn * tl.load(dh + p_kv, mask=m_kv, other=0).to(tl.float32), 0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_val = tl.load(val + p_tv, mask=m_tv, other=0).to(tl.float32)
-        b_G = tl.load(G + p_tv, mask=m_tv, other=0)
-        b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
         b_beta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32)
         b_eta = b_beta * b_rden[:, None]
         b_al = b_eta * b_lp[:, None]
         clamped = b_al > 1 - eps_gamma
         b_al = tl.minimum(b_al, 1 - eps_gamma)
         b_u = b_eta * b_val
-        # the state path exp(G_C - G) X dh of du
-        b_duS = tl.dot(b_xl, b_dh.to(dt)) * tl.exp(b_Gl[None, :] - b_G)
-        b_dval = tl.load(dval + p_tv, mask=m_tv, other=0)
-        if not DELTA:
-            b_dval += b_duS
+        b_dval = tl.load(dval + p_tv, mask=m_tv, other=0).to(tl.float32)
         # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
         b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
         if DELTA:
@@ -1564,7 +1606,6 @@ def _bwd_col_gates(k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv
         else:
             b_dGx = tl.zeros([BT, BV], dtype=tl.float32)
         b_dG += b_dGx
-        b_end = tl.exp(b_Gl) * tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0) + tl.sum(b_u * b_duS, 0)
         b_dG += tl.where((o_t == last)[:, None], b_end[None, :], 0.)
         b_dg = tl.sum(b_dG, 0)[None, :] - tl.cumsum(b_dG, 0) + b_dG - b_dGx
         b_dalpha = tl.where(clamped, 0., -b_dg / (1 - b_al))
@@ -2203,7 +2244,8 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, v, last_k, count, G, beta, rg, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o,
             **common)
-        return o, ht, (G, None, o32, rg, None, h)
+        # ht: the last chunk's next state, for the decay gradient's end term (_bwd_col_gates)
+        return o, ht, (G, None, o32, rg, ht, h)
     o = torch.empty_like(v)
     _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, v, last_k, count, tail_x, tail_v, G, eta_gla, vn, h, wm, o, scale, cu_seqlens, ci, co, T,
@@ -2245,9 +2287,11 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if win:
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
                               eps_gamma, lam_coupled, win, cu_seqlens, m, common)
-    G, eta, A, W, vn, h = saved   # per-column rules: (G, None, o32, rg, None, h)
+    G, eta, A, W, vn, h = saved   # per-column rules: (G, None, o32, rg, ht, h)
+    # falcon2a: the decay gradient's end terms per chunk and column (from _bwd_dv_local_col); vn holds the final state
+    end = torch.empty(h.shape[0], HV, V, **f32) if per_col else None
     du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
-                               per_col, 0)
+                               per_col, 0, ht=vn if per_col else None, end=end)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
@@ -2261,9 +2305,9 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if per_col:
-        o32, rg = A, W
-        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, dh, o32, do, du, dv, dq, dk, dbeta, dlam,
-                       dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, False, gates, common)
+        o32, rg, ht = A, W, vn
+        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o32, do, du, dv, dq, dk, dbeta,
+                       dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, False, gates, common, end=end)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     # falcon1's dx and dW pass from _bwd_dqx to _bwd_gates in the inputs' dtype (fla's dw is bf16 too): half the traffic
     dx = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if delta else None
@@ -2291,18 +2335,33 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
 
 
 def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win,
-                 wm=None, dvb=None, band=0):
+                 wm=None, dvb=None, band=0, ht=None, end=None):
     """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
-    the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0)."""
+    the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0). falcon2a
+    (per_col): the other way round, and with the final state ht the decay gradient's end terms into end."""
     B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
     # dU in the inputs' dtype, as fla's chunk_bwd_dv_local: it is read by two or three kernels, so with bf16 inputs an
     # fp32 buffer doubled its memory traffic (it is formed and summed in fp32 inside each kernel)
     du = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
+    dh = torch.empty_like(h)
+    dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
+    common_h = {key: val for key, val in common.items() if key != 'BV'}
+    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
+
+    def state_gradients():
+        _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
+            q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
+            DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+
     if per_col:
+        # falcon2a: the state gradients first (they do not need du), so that _bwd_dv_local_col adds du's state path
+        # and the gates' kernel has no product to form (see _bwd_col_gates)
+        state_gradients()
         _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, last_k, count, G, do, du, scale, cu_seqlens, ci, co, T, **common)
+            q, k, last_k, count, G, h, ht, dh, end, do, du, scale, cu_seqlens, ci, co, T, STATE=True,
+            HAS_FINAL=dht is not None, **common)
     else:
         # falcon3a's band ('fold'): up to 128-wide value blocks, so that the scores and the band's weights are formed
         # once per chunk, not once per 64 values (eighteenth lease, K = V = 128: 0.143 ms against 0.160 at BV = 64,
@@ -2312,13 +2371,7 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         _bwd_dv_local[lambda meta: (triton.cdiv(V, meta['BV']), NT, B * HV)](
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
             BAND=band, **dict(common, BV=bv))
-    dh = torch.empty_like(h)
-    dh0 = torch.empty(N, HV, K, V, **f32) if common['USE_INITIAL_STATE'] else None
-    common_h = {key: val for key, val in common.items() if key != 'BV'}
-    common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
-    _bwd_dhu[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale, cu_seqlens, co, T,
-        DELTA=delta, PER_COL=per_col, USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+        state_gradients()
     return du, dh, dh0
 
 
@@ -2399,22 +2452,29 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
-def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, dh, o, do, dval, dv, dq, dk, dbeta, dlam,
-                   dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common):
+def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, do, dval, dv, dq, dk, dbeta,
+                   dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common, end=None):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
-    shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam)."""
+    shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam). ht: the final state (needed with dht); end: the
+    decay gradient's end terms where already formed (falcon2a)."""
+    if dht is not None and ht is None:
+        raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
     B, T, HV, V, BT, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'BT', 'NT'))
     f32 = dict(device=k.device, dtype=torch.float32)
     common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}
-    NV = triton.cdiv(triton.cdiv(V, COL_BV), COL_NVP)   # programs per chunk and head
-    rowp = torch.empty(NV, B * T, HV, 2, **f32)   # every slot written
+    # per-row partial sums, one slot per program of a chunk and head: as many as the narrowest value block (16) needs
+    rowp = torch.empty(triton.cdiv(V, 16), B * T, HV, 2, **f32)
     # scratch of ds (falcon2: and dM) per chunk row, read back transposed; ds only as a matmul operand in the inputs'
     # dtype, so it is stored in it (dM's two orientations are summed first: fp32)
     ds_buf = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
     dm_buf = torch.empty(B, T, HV, BT, **f32) if delta else None
-    _bwd_col_gates[(NV, NT, B * HV)](
-        k, v, val, beta, rg, last_k, count, G, h, dh, o, do, dval, dv, dbeta, rowp, B * T, eps_gamma,
-        cu_seqlens, ci, co, T, DELTA=delta, BV=COL_BV, NVP=COL_NVP, **common_h)
+    _bwd_col_gates[lambda meta: (triton.cdiv(triton.cdiv(V, meta['BV']), meta['NVP']), NT, B * HV)](
+        v, val, beta, rg, h, ht, dh, end, o, do, dval, dv, dbeta, rowp, B * T, eps_gamma,
+        cu_seqlens, ci, co, T, DELTA=delta, HAS_FINAL=dht is not None, END=end is not None, **common_h)
+    # the slots that launch wrote (_bwd_col_dqk sums them)
+    cfg = _bwd_col_gates.best_config.kwargs
+    NV = triton.cdiv(triton.cdiv(V, cfg['BV']), cfg['NVP'])
+    assert cfg['BV'] >= 16 and NV <= rowp.shape[0], cfg
     # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a)
     common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 else 32))
     _bwd_col_dqk[(NT, B * HV)](
