@@ -175,9 +175,13 @@ def install(arch: int) -> None:
         # every config the launch would try compiles (after the autotuner's pruning, where a kernel has one);
         # nothing is timed
         self.nargs = dict(zip(self.arg_names, args))
-        for config in self.prune_configs(kwargs):
+        configs = self.prune_configs(kwargs)
+        for config in configs:
             full = {**kwargs, **config.all_kwargs()}
             self.fn.run(*args, **full)
+        # a host wrapper that reads back the config that ran (chunk.py's _bwd_col_gates split) goes on with the
+        # first: exact for one-config kernels (without it the per-column rules' wrapper stopped before _bwd_col_dqk)
+        self.best_config = configs[0]
         return None
 
     Autotuner.run = autotune_run
