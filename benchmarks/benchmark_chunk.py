@@ -352,7 +352,9 @@ def plot_ratios(results, meta, path) -> str:
     rows = [r for r in results if r['ratio']]
     if not rows:
         return f"{path}: no ratios to plot"
-    fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 4.2), squeeze=False, sharey=True)
+    n_rules = max(len(row['ratio']) for row in rows)
+    fig, axes = plt.subplots(1, len(rows), figsize=(max(5.5, 1.1 * n_rules) * len(rows), 4.8), squeeze=False,
+                             sharey=True)
     for ax, row in zip(axes[0], rows):
         rules = [r for r in row['ratio'] if row['ratio'][r].get('fwd+bwd')]   # (forward-only rules: table only)
         xs = range(len(rules))
@@ -371,13 +373,18 @@ def plot_ratios(results, meta, path) -> str:
                    label='target')
         ax.axhline(1.0, color='grey', lw=0.8, ls=':')
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{r}\n/ {TARGETS[r][0].replace('chunk_', '')}" for r in rules], fontsize=8)
+        ax.set_xticklabels([f"{r}\n/ {TARGETS[r][0].replace('chunk_', '')}" for r in rules], fontsize=8,
+                           rotation=30, ha='right', rotation_mode='anchor')
         ax.set_title(f"(B, T, H, K, V) = {tuple(row['shape'])}", fontsize=10)
         ax.grid(axis='y', alpha=0.3)
     axes[0][0].set_ylabel('forward+backward time / baseline')
-    axes[0][0].legend(fontsize=8, loc='upper left')
-    fig.suptitle(f"chunk_falcon vs fla, bf16, {meta.get('device', '')}, Triton {meta.get('triton', '')}", fontsize=11)
-    fig.tight_layout()
+    axes[0][0].set_ylim(0, axes[0][0].get_ylim()[1] * 1.08)   # room for the bars' labels
+    # the legend beside the panels, where it covers no bar
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc='upper right', ncol=len(labels))
+    fig.suptitle(f"chunk_falcon vs fla, bf16, {meta.get('device', '')}, Triton {meta.get('triton', '')}", fontsize=11,
+                 x=0.01, ha='left')
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return f"wrote {path}"
