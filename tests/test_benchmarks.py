@@ -242,6 +242,17 @@ def test_ncu_sass_summary_reads_the_committed_profile(tmp_path, capsys):
     assert 'Warp Stall Sampling' in capsys.readouterr().err
 
 
+def test_ncu_kernels_config_names_a_kernel_and_its_settings():
+    sys.path.insert(0, str(ROOT / 'scripts'))
+    import ncu_kernels as nk
+    kernel, cfg = nk._fix_config('_bwd_col_dqk:BV=32,num_warps=8,num_stages=1,maxnreg=128')
+    assert kernel.fn.__name__ == '_bwd_col_dqk'
+    assert cfg.kwargs == {'BV': 32} and (cfg.num_warps, cfg.num_stages, cfg.maxnreg) == (8, 1, 128)
+    for bad in ('_bwd_col_dqk', '_bwd_col_dqk:', '_bwd_col_dqk:BV', 'no_such_kernel:BV=32'):
+        with pytest.raises(SystemExit):
+            nk._fix_config(bad)
+
+
 def test_aot_check_counts_sass_opcodes(monkeypatch):
     sys.path.insert(0, str(ROOT / 'scripts'))
     # aot_check sets TRITON_INTERPRET=0 on import (it compiles): monkeypatch puts this process's value back afterwards
