@@ -105,8 +105,42 @@ def _resources(cubin: bytes) -> dict:
                 shared=int(shared.group(1)) if shared else None)
 
 
-def install(arch: int) -> None:
+class _Recorded(Exception):
+    """A kernel's record is complete (compiled up to --until's stage)."""
+
+
+class _StopCompile(Exception):
+    """Raised by the stage after --until's: the compilation ends there, the IR so far in `ir`."""
+
+    def __init__(self, ir: str):
+        super().__init__('stopped')
+        self.ir = ir
+
+
+def _stop_after(until: str) -> None:
+    """Cut the CUDA backend's pipeline after stage `until` (ttir: Triton's frontend; ttgir: also its GPU passes).
+    Neither needs ptxas: a fast check that every kernel's source compiles at all (Triton's interpreter runs code that
+    its compiler refuses, e.g. a variable whose shape an if changes), and for ttgir the wgmma hazard search."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    orig = CUDABackend.add_stages
+
+    def add_stages(self, stages, options, language):
+        orig(self, stages, options, language)
+        names = list(stages)
+        for name in names[names.index(until) + 1:]:
+            del stages[name]
+
+        def stop(src, metadata):
+            raise _StopCompile(str(src))
+        stages['stop'] = stop
+
+    CUDABackend.add_stages = add_stages
+
+
+def install(arch: int, until: str = 'cubin') -> None:
     _driver.set_active(_CompileOnlyDriver(arch))
+    if until != 'cubin':
+        _stop_after(until)
     orig_run = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -117,11 +151,21 @@ def install(arch: int) -> None:
         # constexpr flags and scalar arguments tell specializations apart (shown only via the key)
         key = (name, tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, str)))),
                tuple(a for a in args if isinstance(a, (bool, int))))
+        if until != 'cubin' and key in SEEN:
+            return None   # nothing was kept of the first compilation (stopped), so it would run again in full
         try:
             t0 = time.perf_counter()
-            kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
-            if hasattr(kernel, 'result'):
-                kernel = kernel.result()
+            try:
+                kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+                if hasattr(kernel, 'result'):
+                    kernel = kernel.result()
+            except _StopCompile as stop:   # --until ttir / ttgir: compiled that far, no binary to read
+                rec.update(secs=time.perf_counter() - t0, ok=True)
+                hazards = war_hazards(stop.ir) if until == 'ttgir' else []
+                if hazards:
+                    rec.update(ok=False, error=f"{len(hazards)} async-wgmma WAR hazard(s): {hazards[0][:200]}",
+                               hazards=hazards)
+                raise _Recorded from None
             rec['secs'] = time.perf_counter() - t0   # compile time (0 when Triton's cache has it)
             rec.update(_resources(kernel.asm['cubin']), ok=True)
             # Triton's shared memory is dynamic (cuobjdump's SHARED is the static part only)
@@ -156,9 +200,13 @@ def install(arch: int) -> None:
             limit = MAX_SHARED.get(arch)
             if limit is not None and rec['shared'] > limit:
                 rec.update(ok=False, error=f"OutOfResources at launch: shared memory {rec['shared']} > {limit}")
+        except _Recorded:
+            pass
         except Exception as e:   # noqa: BLE001  (a compiler crash is what we are looking for)
-            rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
-                       trace=traceback.format_exc()[-3000:])
+            # a CompilationError's first line is the place ("at 55:8:"), its last the reason
+            lines = [line for line in str(e).splitlines() if line.strip()] or ['']
+            msg = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
+            rec.update(ok=False, error=f"{type(e).__name__}: {msg[:400]}", trace=traceback.format_exc()[-3000:])
         if key not in SEEN:
             SEEN.add(key)
             COMPILED.append(rec)
@@ -229,6 +277,10 @@ def main(argv=None) -> int:
                    help="falcon3a's band in the backward (fla_falcon.ops.falcon.chunk.BAND_FORM; default: its value)")
     p.add_argument('--decode', action='store_true',
                    help='only the decode step: T = 1 with a full-window initial state and the final state, no grad')
+    p.add_argument('--until', choices=['ttir', 'ttgir', 'cubin'], default='cubin',
+                   help="compile up to this stage only (ttir: Triton's frontend; ttgir: and its GPU passes, with the "
+                        "wgmma hazard search; neither runs ptxas, so no registers or spills: a fast check that every "
+                        "kernel compiles at all)")
     p.add_argument('--sass', metavar='DIR', default=None,
                    help="write each compiled kernel's SASS and Triton GPU IR into DIR (<kernel>.<n>.sass, .ttgir) and "
                         "print its instruction count and most common opcodes")
@@ -246,7 +298,9 @@ def main(argv=None) -> int:
     if 'baselines' in args.ops:   # before the stand-in driver: fla asks torch.cuda for the device's name on import
         import fla.ops.gated_delta_rule  # noqa: F401
         import fla.ops.simple_gla  # noqa: F401
-    install(args.arch)
+    if args.sass and args.until != 'cubin':
+        p.error('--sass needs --until cubin')
+    install(args.arch, args.until)
 
     print(f"Triton {triton.__version__}, target sm_{args.arch}")
     K, V = (int(x) for x in args.dims.split(','))
@@ -296,6 +350,8 @@ def main(argv=None) -> int:
         _baselines(B, T, H, K, V, dt)
     bad = [r for r in COMPILED if not r['ok']]
     spills = [r for r in COMPILED if r['ok'] and r.get('stack')]
+    if args.until != 'cubin':
+        print(f"(compiled up to {args.until} only)")
     print(f"\n{len(COMPILED)} kernel configs compiled in {sum(r.get('secs', 0) for r in COMPILED):.0f} s (single "
           f"thread, Triton's cache cold or not), {len(bad)} failed, {len(spills)} with local-memory stack (spills)")
     for r in bad:

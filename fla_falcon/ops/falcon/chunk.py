@@ -1379,7 +1379,8 @@ def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o32, scale,
     b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
     # the whole chunk's q loaded with the other tiles, before the span decision: one round trip to memory less on
     # the whole-chunk branch's serial path (-2.6% / -2.0% at (4, 4096) / (1, 16384), H100, forty-second lease)
-    # (b_qC: a name of its own, as the 16-row branch's [BK, 16] b_qT may not change a variable's shape in Triton)
+    # (b_qC: a name of its own: the 16-row loop below assigns b_qT at [BK, 16], and Triton 3.6 refuses a
+    # loop-carried variable whose shape changes)
     b_qC = tl.load(q + ((bos + r_s) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :],
                    other=0)
     span_c = tl.max(tl.max(tl.where(m_vs, b_Gr[:, None] - b_Gs, 0.), 1), 0)
