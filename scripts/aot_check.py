@@ -105,10 +105,6 @@ def _resources(cubin: bytes) -> dict:
                 shared=int(shared.group(1)) if shared else None)
 
 
-class _Recorded(Exception):
-    """A kernel's record is complete (compiled up to --until's stage)."""
-
-
 class _StopCompile(Exception):
     """Raised by the stage after --until's: the compilation ends there, the IR so far in `ir`."""
 
@@ -120,7 +116,8 @@ class _StopCompile(Exception):
 def _stop_after(until: str) -> None:
     """Cut the CUDA backend's pipeline after stage `until` (ttir: Triton's frontend; ttgir: also its GPU passes).
     Neither needs ptxas: a fast check that every kernel's source compiles at all (Triton's interpreter runs code that
-    its compiler refuses, e.g. a variable whose shape an if changes), and for ttgir the wgmma hazard search."""
+    its compiler refuses, e.g. a loop-carried variable whose shape the loop changes), and for ttgir the wgmma hazard
+    search."""
     from triton.backends.nvidia.compiler import CUDABackend
     orig = CUDABackend.add_stages
 
@@ -153,19 +150,11 @@ def install(arch: int, until: str = 'cubin') -> None:
                tuple(a for a in args if isinstance(a, (bool, int))))
         if until != 'cubin' and key in SEEN:
             return None   # nothing was kept of the first compilation (stopped), so it would run again in full
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            try:
-                kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
-                if hasattr(kernel, 'result'):
-                    kernel = kernel.result()
-            except _StopCompile as stop:   # --until ttir / ttgir: compiled that far, no binary to read
-                rec.update(secs=time.perf_counter() - t0, ok=True)
-                hazards = war_hazards(stop.ir) if until == 'ttgir' else []
-                if hazards:
-                    rec.update(ok=False, error=f"{len(hazards)} async-wgmma WAR hazard(s): {hazards[0][:200]}",
-                               hazards=hazards)
-                raise _Recorded from None
+            kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+            if hasattr(kernel, 'result'):
+                kernel = kernel.result()
             rec['secs'] = time.perf_counter() - t0   # compile time (0 when Triton's cache has it)
             rec.update(_resources(kernel.asm['cubin']), ok=True)
             # Triton's shared memory is dynamic (cuobjdump's SHARED is the static part only)
@@ -200,8 +189,12 @@ def install(arch: int, until: str = 'cubin') -> None:
             limit = MAX_SHARED.get(arch)
             if limit is not None and rec['shared'] > limit:
                 rec.update(ok=False, error=f"OutOfResources at launch: shared memory {rec['shared']} > {limit}")
-        except _Recorded:
-            pass
+        except _StopCompile as stop:   # --until ttir / ttgir: compiled that far, no binary to read
+            rec.update(secs=time.perf_counter() - t0, ok=True)
+            hazards = war_hazards(stop.ir) if until == 'ttgir' else []
+            if hazards:
+                rec.update(ok=False, error=f"{len(hazards)} async-wgmma WAR hazard(s): {hazards[0][:200]}",
+                           hazards=hazards)
         except Exception as e:   # noqa: BLE001  (a compiler crash is what we are looking for)
             # a CompilationError's first line is the place ("at 55:8:"), its last the reason
             lines = [line for line in str(e).splitlines() if line.strip()] or ['']
