@@ -278,6 +278,10 @@ def test_unsupported_and_bad_args(device):
         chunk_falcon(q, k, v, beta, lam, rule='falcon3a', window=9)
     with pytest.raises(ValueError, match='beta'):
         chunk_falcon(q, k, v, beta[..., :1, None], lam, rule='falcon1')
+    # 1 - eps_gamma rounds to 1 in fp32 below 2^-25: the clamped log-decay would be -inf (NaN outputs)
+    with pytest.raises(NotImplementedError, match='eps_gamma'):
+        chunk_falcon(q, k, v, beta, lam, rule='falcon1', eps_gamma=1e-10)
+    assert torch.isfinite(chunk_falcon(q, k, v, beta, lam * 1e4, rule='falcon1', eps_gamma=2 ** -24)[0]).all()
     # falcon3's tiles exceed Hopper's shared memory in training at K > 128 (fp32: K > 64), without gradients at
     # K > 256 (fp32: K > 128): refused before any kernel runs (the layer falls back to fused_recurrent)
     q2, k2, v2, beta2, lam2, _ = make_inputs('falcon3', 1, 8, 1, 1, 80, 16, 'on', False, device, window=2)

@@ -2563,6 +2563,11 @@ def chunk_falcon(
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
+    if eps_gamma < 2 ** -24:
+        # the kernels' log(1 - alpha) at the clamp: 1 - eps_gamma rounds to 1 in fp32 (NaN outputs); the layer falls
+        # back to fused_recurrent_falcon, which multiplies by 1 - alpha instead
+        raise NotImplementedError(f"chunk_falcon needs eps_gamma >= 2**-24 (fp32 log-decays), got {eps_gamma!r}; "
+                                  "fused_recurrent_falcon takes it")
     regression, per_col, windowed = rule_info(rule)
     # the pairs before a chunk are one 16-row block (and the kernels unroll W terms)
     if windowed and window > 8:
