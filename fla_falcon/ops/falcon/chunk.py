@@ -203,8 +203,16 @@ def _gate(b_beta, b_lp, b_den, valid, eps_gamma):
     b_a = b_eta * b_lp
     clamped = b_a > 1 - eps_gamma
     b_a = tl.minimum(b_a, 1 - eps_gamma)
-    b_g = tl.where(valid, _log1m(b_a), 0.)
+    b_g = tl.where(valid, _log_decay(b_a, eps_gamma), 0.)
     return b_eta, b_a, clamped, b_g
+
+
+@triton.jit
+def _log_decay(b_a, eps_gamma):
+    """g = log(1 - alpha) for alpha = min(eta lam', 1 - eps_gamma) (b_a, already clamped): log(eps_gamma) itself at the
+    clamp, where 1 - alpha in fp32 is 1 - eps_gamma rounded (0 for eps_gamma < 2^-25: g = -inf and NaN outputs
+    before, where the reference's decay is eps_gamma), else log1p(-alpha)."""
+    return tl.where(b_a >= 1 - eps_gamma, tl.log(eps_gamma), _log1m(b_a))
 
 
 @triton.jit
@@ -227,7 +235,7 @@ def _col_gate(b_beta, b_lp, b_rden, eps_gamma):
     b_a = b_eta * b_lp
     clamped = b_a > 1 - eps_gamma
     b_a = tl.minimum(b_a, 1 - eps_gamma)
-    return b_eta, b_a, clamped, _log1m(b_a)
+    return b_eta, b_a, clamped, _log_decay(b_a, eps_gamma)
 
 
 @triton.jit
@@ -2563,11 +2571,6 @@ def chunk_falcon(
         raise NotImplementedError(f"chunk_falcon does not support rule {rule!r} yet (supported: {SUPPORTED_RULES})")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size!r}")
-    if eps_gamma < 2 ** -24:
-        # the kernels' log(1 - alpha) at the clamp: 1 - eps_gamma rounds to 1 in fp32 (NaN outputs); the layer falls
-        # back to fused_recurrent_falcon, which multiplies by 1 - alpha instead
-        raise NotImplementedError(f"chunk_falcon needs eps_gamma >= 2**-24 (fp32 log-decays), got {eps_gamma!r}; "
-                                  "fused_recurrent_falcon takes it")
     regression, per_col, windowed = rule_info(rule)
     # the pairs before a chunk are one 16-row block (and the kernels unroll W terms)
     if windowed and window > 8:
