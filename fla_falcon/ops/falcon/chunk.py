@@ -1347,11 +1347,11 @@ def _diag16_offsets(b_acc, b_P, r_p, X, beta, rg, G, b_Gc, bos, row0, i_hv, T, r
 @triton.autotune(configs=[triton.Config({}, num_warps=w, num_stages=2) for w in (4, 8)],
                  key=['H', 'HV', 'K', 'V', 'BT', 'IS_VARLEN'])
 @triton.jit
-def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o32, scale,
+def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o_lo, scale,
                cu_seqlens, chunk_indices, chunk_offsets, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, SAVE_O32: tl.constexpr, IS_VARLEN: tl.constexpr):
+               SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, SAVE_LO: tl.constexpr, IS_VARLEN: tl.constexpr):
     """o_t = scale (exp(G_t) * (q_t^T S0) + sum_{s <= t} (q_t.x_s) exp(G_t - G_s) * u_s) per column, u = eta v.
 
     Computed transposed, a [BV, 16] tile per 16-row sub-chunk a of output rows, so that every product has BV or BT
@@ -1398,9 +1398,10 @@ def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o32, scale,
         b_in = tl.where(m_vs, b_us * tl.exp(tl.where(m_vs, b_Gr[:, None] - b_Gs, 0.)), 0.)
         b_o += tl.where(m_vs, tl.dot(b_in.to(dt), b_At.to(dt)) * tl.exp(tl.where(m_vs, b_Gs - b_Gr[:, None], 0.)), 0.)
         b_o = b_o * scale
-        tl.store(o + p_vs, b_o.to(o.dtype.element_ty), mask=m_vs)
-        if SAVE_O32:
-            tl.store(o32 + p_vs, b_o, mask=m_vs)
+        b_oh = b_o.to(o.dtype.element_ty)
+        tl.store(o + p_vs, b_oh, mask=m_vs)
+        if SAVE_LO:
+            tl.store(o_lo + p_vs, (b_o - b_oh.to(tl.float32)).to(o_lo.dtype.element_ty), mask=m_vs)
     else:
         for a in range(BT // 16):
             f = i_t * BT + a * 16
@@ -1431,10 +1432,11 @@ def _fwd_o_col(q, k, v, last_k, count, G, beta, rg, h, o, o32, scale,
                 b_o = _diag16_offsets(b_o, b_At, r_s, v, beta, rg, G, b_Gt, bos, f, i_hv, T, r_t, m_vt, o_v,
                                       m_v, HV, V, True)
             b_o = b_o * scale
-            tl.store(o + p_vt, b_o.to(o.dtype.element_ty), mask=m_vt)
-            if SAVE_O32:
-                # the decay gradient's fp32 copy (dG = o * do - u * du), beside the output in its own dtype
-                tl.store(o32 + p_vt, b_o, mask=m_vt)
+            b_oh = b_o.to(o.dtype.element_ty)
+            tl.store(o + p_vt, b_oh, mask=m_vt)
+            if SAVE_LO:
+                # the output's rounding residual for the decay gradient (dG = o * do - u * du: _col_outputs)
+                tl.store(o_lo + p_vt, (b_o - b_oh.to(tl.float32)).to(o_lo.dtype.element_ty), mask=m_vt)
 
 
 @triton.jit
@@ -1545,12 +1547,12 @@ def _bwd_dv_local_col(q, k, last_k, count, G, h, ht, dh, end, do, du, scale,
 
 @triton.autotune(configs=CONFIGS_COLG, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'IS_VARLEN'])
 @triton.jit
-def _bwd_col_gates(v, val, beta, rg, h, ht, dh, end, o, do, dval, dv, dbeta, rowp, NTOK, eps_gamma,
+def _bwd_col_gates(v, val, beta, rg, h, ht, dh, end, o, o_lo, do, dval, dv, dbeta, rowp, NTOK, eps_gamma,
                    cu_seqlens, chunk_indices, chunk_offsets, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NVP: tl.constexpr,
                    SHIFT: tl.constexpr, DELTA: tl.constexpr, HAS_FINAL: tl.constexpr, END: tl.constexpr,
-                   USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
+                   HAS_LO: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The per-column rules per chunk, first kernel, one program per NVP value blocks of BV columns (one config:
     each program writes its own slot of the row partial sums rowp, so the host reads the split back): the decay
     gradient dG = o * do - u * dval (+ <S_next, dS_next> per column on the last row), its reverse cumsum and the
@@ -1612,7 +1614,10 @@ def _bwd_col_gates(v, val, beta, rg, h, ht, dh, end, o, do, dval, dv, dbeta, row
         b_u = b_eta * b_val
         b_dval = tl.load(dval + p_tv, mask=m_tv, other=0).to(tl.float32)
         # per-column decay gradient, reverse cumsum in the chunk, the gates' chain rule
-        b_dG = tl.load(o + p_tv, mask=m_tv, other=0) * b_do - b_u * b_dval
+        b_o = tl.load(o + p_tv, mask=m_tv, other=0).to(tl.float32)
+        if HAS_LO:
+            b_o += tl.load(o_lo + p_tv, mask=m_tv, other=0).to(tl.float32)
+        b_dG = b_o * b_do - b_u * b_dval
         if DELTA:
             b_dGx = -b_eta * b_dval * (tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) - b_val)
         else:
@@ -1838,8 +1843,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, ro
     b_dst = tl.load(ds_buf + p_At, mask=m_t[None, :], other=0)
     b_dx += tl.dot(b_dst.to(dt), b_q)
     if DELTA:
-        b_dm = tl.load(dm_buf + p_A, mask=m_t[:, None], other=0)
-        b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0)
+        b_dm = tl.load(dm_buf + p_A, mask=m_t[:, None], other=0).to(tl.float32)
+        b_dmt = tl.load(dm_buf + p_At, mask=m_t[None, :], other=0).to(tl.float32)
         b_dx += tl.dot((b_dm + b_dmt).to(dt), b_xl)   # the Gram path: d(x_t.x_j) into both keys
     # d(lam') and d(den) per row: the value blocks' shares; the energy path E = ||x||^2 into dx
     b_dlp = tl.zeros([BT], dtype=tl.float32)
@@ -2250,12 +2255,12 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, beta, rg, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
     if per_col:
-        o, o32 = _col_outputs(v)
+        o, o_lo = _col_outputs(v)
         _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
-            q, k, v, last_k, count, G, beta, rg, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o,
+            q, k, v, last_k, count, G, beta, rg, h, o, o_lo, scale, cu_seqlens, ci, co, T, SAVE_LO=o_lo is not None,
             **common)
         # ht: the last chunk's next state, for the decay gradient's end term (_bwd_col_gates)
-        return o, ht, (G, None, o32, rg, ht, h)
+        return o, ht, (G, o, o_lo, rg, ht, h)
     o = torch.empty_like(v)
     _fwd_o[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, v, last_k, count, tail_x, tail_v, G, eta_gla, vn, h, wm, o, scale, cu_seqlens, ci, co, T,
@@ -2266,13 +2271,14 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
 
 
 def _col_outputs(v):
-    """The per-column rules' output in v's dtype and its fp32 copy for the decay gradient (dG = o * do - u * du
-    reads it back), both written by _fwd_o_col: one tensor for fp32 inputs. (A cast of the fp32 output took 91 us
-    at (4, 4096, 16, 128) bf16 on an H200.) The bf16 output in its place would save ~200 MB of traffic there, but
-    it took falcon2's bf16 dbeta / dlam from 1.46% / 1.35% to 2.33% / 2.34% off the fp64 reference (T = 200,
-    K = V = 32, lam_coupled, CPU interpreter; the tests' bf16 tolerance is 2%)."""
+    """The per-column rules' output o in v's dtype and, for 16-bit inputs, its rounding residual o_lo (the fp32 output
+    less o, in v's dtype; None for fp32 inputs), both written by _fwd_o_col: the decay gradient (dG = o * do - u * du)
+    reads o + o_lo back, the fp32 output to ~2^-17. o alone took falcon2's bf16 dbeta / dlam from 1.46% / 1.35% to
+    2.33% / 2.34% off the fp64 reference (T = 200, K = V = 32, lam_coupled, CPU interpreter; the tests' bf16 tolerance
+    is 2%); an fp32 copy beside o (before) moved two bf16 tensors' worth per element where o_lo moves one, and the
+    backward reads o itself (saved, the op's output) in place of the copy."""
     o = torch.empty_like(v)
-    return o, (o if v.dtype == torch.float32 else torch.empty(v.shape, device=v.device, dtype=torch.float32))
+    return o, (None if v.dtype == torch.float32 else torch.empty_like(v))
 
 
 def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
@@ -2297,11 +2303,15 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if win:
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
                               eps_gamma, lam_coupled, win, cu_seqlens, m, common)
-    G, eta, A, W, vn, h = saved   # per-column rules: (G, None, o32, rg, ht, h)
-    # falcon2a: the decay gradient's end terms per chunk and column (from _bwd_dv_local_col); vn holds the final state
+    if per_col:
+        G, o, o_lo, rg, ht, h = saved
+        W = None
+    else:
+        G, eta, A, W, vn, h = saved
+    # falcon2a: the decay gradient's end terms per chunk and column (from _bwd_dv_local_col; ht: the final state)
     end = torch.empty(h.shape[0], HV, V, **f32) if per_col else None
     du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
-                               per_col, 0, ht=vn if per_col else None, end=end)
+                               per_col, 0, ht=ht if per_col else None, end=end)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
@@ -2315,9 +2325,8 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if per_col:
-        o32, rg, ht = A, W, vn
-        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o32, do, du, dv, dq, dk, dbeta,
-                       dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, False, gates, common, end=end)
+        _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, du, dv, dq, dk,
+                       dbeta, dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, False, gates, common, end=end)
         return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV) + (None,)
     # falcon1's dx and dW pass from _bwd_dqx to _bwd_gates in the inputs' dtype (fla's dw is bf16 too): half the traffic
     dx = torch.empty(B, T, HV, K, device=dev, dtype=q.dtype) if delta else None
@@ -2462,8 +2471,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV, dtail_x) + (dtail_v,)
 
 
-def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, do, dval, dv, dq, dk, dbeta,
-                   dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common, end=None):
+def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, dval, dv, dq, dk,
+                   dbeta, dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common, end=None):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
     shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam). ht: the final state (needed with dht); end: the
     decay gradient's end terms where already formed (falcon2a)."""
@@ -2474,13 +2483,15 @@ def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht
     common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}
     # per-row partial sums, one slot per program of a chunk and head: as many as the narrowest value block (16) needs
     rowp = torch.empty(triton.cdiv(V, 16), B * T, HV, 2, **f32)
-    # scratch of ds (falcon2: and dM) per chunk row, read back transposed; ds only as a matmul operand in the inputs'
-    # dtype, so it is stored in it (dM's two orientations are summed first: fp32)
+    # scratch of ds (falcon2: and dM) per chunk row, read back transposed, only as matmul operands in the inputs'
+    # dtype, so stored in it. (dM + dM^T is one too: dM is strictly lower triangular, so no element of the sum adds two
+    # nonzeros and rounding each before the sum is rounding the sum: the same bits as an fp32 dM, at half the bytes.)
     ds_buf = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype)
-    dm_buf = torch.empty(B, T, HV, BT, **f32) if delta else None
+    dm_buf = torch.empty(B, T, HV, BT, device=k.device, dtype=k.dtype) if delta else None
     _bwd_col_gates[lambda meta: (triton.cdiv(triton.cdiv(V, meta['BV']), meta['NVP']), NT, B * HV)](
-        v, val, beta, rg, h, ht, dh, end, o, do, dval, dv, dbeta, rowp, B * T, eps_gamma,
-        cu_seqlens, ci, co, T, DELTA=delta, HAS_FINAL=dht is not None, END=end is not None, **common_h)
+        v, val, beta, rg, h, ht, dh, end, o, o_lo, do, dval, dv, dbeta, rowp, B * T, eps_gamma,
+        cu_seqlens, ci, co, T, DELTA=delta, HAS_FINAL=dht is not None, END=end is not None, HAS_LO=o_lo is not None,
+        **common_h)
     # the slots that launch wrote (_bwd_col_dqk sums them)
     cfg = _bwd_col_gates.best_config.kwargs
     NV = triton.cdiv(triton.cdiv(V, cfg['BV']), cfg['NVP'])

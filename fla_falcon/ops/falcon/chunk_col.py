@@ -386,16 +386,17 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
         STORE_FINAL_STATE=output_final_state, **common_h)
     del F
     # falcon2a's output kernel forms u = eta v: fed the residual, it forms u = eta r (and writes the output's
-    # fp32 copy for the decay gradient)
-    o, o32 = _col_outputs(v)
+    # rounding residual o_lo for the decay gradient)
+    o, o_lo = _col_outputs(v)
     _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
-        q, k, r, last_k, count, G, beta, rg, h, o, o32, scale, cu_seqlens, ci, co, T, SAVE_O32=o32 is not o, **common)
-    return o, ht, (M, G, r, h, o32, rg, ht)
+        q, k, r, last_k, count, G, beta, rg, h, o, o_lo, scale, cu_seqlens, ci, co, T, SAVE_LO=o_lo is not None,
+        **common)
+    return o, ht, (M, G, r, h, o, o_lo, rg, ht)
 
 
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
                 cu_seqlens, chunk_size):
-    M, G, r, h, o, rg, ht = saved
+    M, G, r, h, o, o_lo, rg, ht = saved
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -425,7 +426,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
     dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)   # stored once from fp32 (see chunk.py's _chunk_bwd)
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
-    _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, do, dr, dv, dq, dk, dbeta, dlam,
-                   dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, True,
+    _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, dr, dv, dq, dk, dbeta,
+                   dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, True,
                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
