@@ -1685,9 +1685,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, ro
     o_c = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    # the rows' 1 / den (eta = beta / den), for the tiles of rows o_t and (loaded again: another layout) transposed
+    # the rows' 1 / den (eta = beta / den)
     b_rd = _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1]
-    b_rdT = _col_rg(rg, bos, o_t, m_t, i_hv, HV)[1]
     # the whole chunk at once when its decay spans at most CHUNK_SPAN in every column, factored at its first row r
     # (falcon2: with Gx at the first row, 0, in the span)
     # (every column in one load, BVA = V rounded up to a power of two: one round trip to memory on the program's
@@ -1701,48 +1700,39 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, ro
     if span_c <= CHUNK_SPAN:
         b_dsT = tl.zeros([BT, BT], dtype=tl.float32)
         b_dmT = tl.zeros([BT, BT], dtype=tl.float32)
-        if not DELTA:
-            b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dx = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dx = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             # the chunk's rows s [BT, BV]
             o_v, m_v, m_sv, b_G, b_u = _col_rows(G, beta, b_rd, val, i_v, bos, o_t, m_t, i_hv, HV, V, BV)
             b_Gr = tl.load(G + ((bos + i_t * BT) * HV + i_hv) * V + o_v, mask=m_v, other=0)
             b_ur = tl.where(m_sv, b_u * tl.exp(tl.where(m_sv, b_Gr[None, :] - b_G, 0.)), 0.).to(dt)
+            # the rows t from the same tiles (tl.trans of loaded tiles, not of a dot result), and the chunk-start
+            # state's paths (the pass below) in this one: G, beta, val and do (falcon2: and dval) read once, not
+            # two or three times
+            p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
+            b_dor = tl.where(m_sv, b_do * tl.exp(tl.where(m_sv, b_G - b_Gr[None, :], 0.)), 0.)
+            b_dsT += tl.dot(b_ur, tl.trans(b_dor.to(dt)))
+            m_kv = (o_k < K)[:, None] & m_v[None, :]
+            p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+            b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
+            b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
+            b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
+            b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
+            b_dx += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
             if DELTA:
-                # rows t transposed [BV, BT] (loaded so: tl.trans of the rows' tiles, as falcon2a below, and the
-                # state's paths in this pass spill 24-176 B at K = V = 128, aot_check sm_90)
-                m_vt = m_v[:, None] & m_t[None, :]
-                p_vt = ((bos + o_t) * HV + i_hv)[None, :] * V + o_v[:, None]
-                b_dor = tl.where(m_vt, tl.load(do + p_vt, mask=m_vt, other=0).to(tl.float32) * tl.exp(
-                    tl.where(m_vt, tl.load(G + p_vt, mask=m_vt, other=0) - b_Gr[:, None], 0.)), 0.)
-                b_dsT += tl.dot(b_ur, b_dor.to(dt))
-                b_aT = (tl.load(beta + p_vt, mask=m_vt, other=0).to(tl.float32) * b_rdT[None, :]
-                        * tl.load(dval + p_vt, mask=m_vt, other=0))
-                b_GxT = tl.load(G + p_vt - HV * V, mask=m_vt & (o_t > i_t * BT)[None, :], other=0)
-                b_ar = tl.where(m_vt, b_aT * tl.exp(tl.where(m_vt, b_GxT - b_Gr[:, None], 0.)), 0.)
-                b_dmT += tl.dot(b_ur, b_ar.to(dt))
-            else:
-                # falcon2a: the rows t from the same tiles (tl.trans of loaded tiles, not of a dot result), and the
-                # chunk-start state's paths (the pass below) in this one: G, beta, val and do read once, not two or
-                # three times
-                p_sv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-                b_do = tl.load(do + p_sv, mask=m_sv, other=0).to(tl.float32)
-                b_dor = tl.where(m_sv, b_do * tl.exp(tl.where(m_sv, b_G - b_Gr[None, :], 0.)), 0.)
-                b_dsT += tl.dot(b_ur, tl.trans(b_dor.to(dt)))
-                m_kv = (o_k < K)[:, None] & m_v[None, :]
-                p_kv = ((boh + i_t) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-                b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=m_v, other=0)
-                b_h = tl.load(h + p_kv, mask=m_kv, other=0).to(dt)
-                b_dh = tl.load(dh + p_kv, mask=m_kv, other=0).to(dt)
-                b_dq += tl.dot((b_do * tl.exp(b_G)).to(dt), tl.trans(b_h))
-                b_dx += tl.dot((b_u * tl.exp(b_Gl[None, :] - b_G)).to(dt), tl.trans(b_dh))
+                # a = eta drhs at rows t, Gx_t = G_{t-1} (0 on the chunk's first row)
+                b_a = (tl.load(beta + p_sv, mask=m_sv, other=0).to(tl.float32) * b_rd[:, None]
+                       * tl.load(dval + p_sv, mask=m_sv, other=0))
+                b_Gx = tl.load(G + p_sv - HV * V, mask=m_sv & (o_s >= 1)[:, None], other=0)
+                b_ar = tl.where(m_sv, b_a * tl.exp(tl.where(m_sv, b_Gx - b_Gr[None, :], 0.)), 0.)
+                b_dmT += tl.dot(b_ur, tl.trans(b_ar.to(dt)))
+                b_dx -= tl.dot((b_a * tl.exp(b_Gx)).to(dt), tl.trans(b_h))   # the X S0 path
         p_aT = ((bos + o_t) * HV + i_hv)[None, :] * BT + o_s[:, None]
         tl.store(ds_buf + p_aT, tl.where(o_t[:, None] <= o_t[None, :], b_dsT, 0.) * scale, mask=m_t[None, :])
         if DELTA:
             tl.store(dm_buf + p_aT, -tl.where(o_t[:, None] < o_t[None, :], b_dmT, 0.), mask=m_t[None, :])
-            b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dx = tl.zeros([BT, BK], dtype=tl.float32)
     else:
         for a in range(BT // 16):
             f = i_t * BT + a * 16
@@ -1811,8 +1801,8 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, ro
     # miscompiles on Hopper)
     tl.debug_barrier()
     b_xl, valid = _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H, K, BK, SHIFT, USE_INITIAL_STATE)
-    # the chunk-start state's paths (falcon2a's fast branch has done them)
-    if DELTA or span_c > CHUNK_SPAN:
+    # the chunk-start state's paths (the fast branch has done them)
+    if span_c > CHUNK_SPAN:
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
