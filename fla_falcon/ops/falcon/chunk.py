@@ -1567,9 +1567,9 @@ def _bwd_col_gates(v, val, beta, rg, h, ht, dh, end, o, o_lo, do, dval, dv, dbet
       a = eta drhs), which g_t itself does not enter.
 
     The chunk's last row also carries G_C's path through the next state, S_next = exp(G_C) S0 + sum_s exp(G_C - G_s)
-    x_s u_s: sum_k S_next * dS_next per column, from end (END: falcon2a, formed by _bwd_dv_local_col) or here from
-    the next chunk's start state h (the sequence's last chunk: the final state ht when its gradient dht was given,
-    HAS_FINAL; else dS_next = 0) and dh. No key and no matrix product in
+    x_s u_s: sum_k S_next * dS_next per column, from end (END: formed by falcon2a's _bwd_dv_local_col, falcon2's
+    _bwd_dhu_delta_col) or here from the next chunk's start state h (the sequence's last chunk: the final state ht
+    when its gradient dht was given, HAS_FINAL; else dS_next = 0) and dh. No key and no matrix product in
     this kernel (nor G: only that product's factor exp(G_C - G) read it): the product held every tile of the gate
     chain in the tensor-core accumulator layout, ~13 layout conversions through shared memory per value block (TTGIR,
     thirty-second session)."""

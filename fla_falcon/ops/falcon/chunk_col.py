@@ -75,6 +75,7 @@ from fla_falcon.ops.falcon.chunk import (
     _bwd_col_grads,
     _bwd_dv_local_col,
     _col_outputs,
+    _next_state,
     _col_rg,
     _fwd_o_col,
     _load_x,
@@ -275,7 +276,7 @@ def _fwd_h_delta_col(k, v, last_k, count, M, G, F, beta, rg, h, h0, ht, r,
 
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
-def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, dht, dh0, scale,
+def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, h, ht, dh, dht, dh0, end, scale,
                        cu_seqlens, chunk_offsets, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -283,7 +284,10 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, d
                        USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
     plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
-    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs).
+    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs). Also the decay gradient's end term
+    of each chunk, end[c] = sum_k S_next * dS_next per column (S_next: the next chunk's start state h, or the final
+    state ht), for _bwd_col_gates: there it read two [K, V] tiles per chunk; here dS_next is in registers already
+    and the load of S_next is off the substitution's chain.
 
     Block by block in reverse, as the forward: b_e is the solve's gradient of the state at the end of the
     current block (the later blocks' rows reach its rows through it), so the backward substitution only
@@ -302,7 +306,11 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, d
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + p_kv, mask=m_kv, other=0).to(tl.float32)
     for i_t in range(NT - 1, -1, -1):
-        tl.store(dh + ((boh + i_t) * HV + i_hv) * K * V + p_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        p_h = ((boh + i_t) * HV + i_hv) * K * V + p_kv
+        tl.store(dh + p_h, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        b_hn = _next_state(h, ht, p_h, p_kv, m_kv, (i_t * BT + BT + o_k * 0 < T)[:, None], i_n, i_hv, HV, K, V,
+                           USE_FINAL_STATE_GRADIENT)
+        tl.store(end + ((boh + i_t) * HV + i_hv) * V + o_v, tl.sum(b_hn * b_dh, 0), mask=m_v)
         b_e = b_dh
         b_dq = tl.zeros([BK, BV], dtype=tl.float32)
         for i_sr in tl.static_range(BT // BS):
@@ -414,9 +422,12 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     F = _step_factors(G, m, cu_seqlens)   # as in the forward (recomputed: not kept beside G)
+    if dht is not None and ht is None:
+        raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
+    end = torch.empty(m['NTH'], HV, V, **f32)   # the decay gradient's end terms, per chunk (_bwd_col_gates reads them)
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        q, k, last_k, count, M, G, F, beta, rg, do, du, dr, dh, dht, dh0, scale, cu_seqlens, co, T, BS=M.shape[-1],
-        USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+        q, k, last_k, count, M, G, F, beta, rg, do, du, dr, h, ht, dh, dht, dh0, end, scale, cu_seqlens, co, T,
+        BS=M.shape[-1], USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
     del F
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
@@ -428,5 +439,5 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
     _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, dr, dv, dq, dk, dbeta,
                    dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, True,
-                   dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common)
+                   dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common, end=end)
     return _reduce_groups(dq, dk, dv, dbeta, dlam, dh0, dlast_k, H, HV)[:7]
