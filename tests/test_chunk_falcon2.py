@@ -9,6 +9,7 @@ from fla.utils import assert_close
 from test_chunk import RATIO, SAME_OP_RATIO, check
 
 from fla_falcon import FalconState
+from fla_falcon.ops.falcon import chunk_col
 from fla_falcon.ops.falcon.chunk import chunk_falcon
 from fla_falcon.ops.falcon.naive import naive_recurrent_falcon
 
@@ -85,6 +86,20 @@ def test_varlen(shift, device):
     cu = torch.tensor([0, 1, 20, 20, 57, 90], device=device)
     inputs = make_inputs(1, 90, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu)
     check(run_both(*inputs, torch.float32, shift=shift, cu_seqlens=cu, chunk_size=16), torch.float32)
+
+
+@pytest.mark.parametrize('final', [True, False])
+@pytest.mark.parametrize('end_in_dhu', [True, False])
+def test_end_terms_either_kernel(end_in_dhu, final, monkeypatch, device):
+    # the decay gradient's end terms come from _bwd_dhu_delta_col (END) or from _bwd_col_gates, chosen by the
+    # sequential kernel's program count against the GPU's multiprocessors (always END under the CPU interpreter):
+    # both paths, with and without a final-state gradient, over varlen sequences that end inside a chunk
+    calls = []
+    monkeypatch.setattr(chunk_col, '_end_in_dhu', lambda programs, dev: calls.append(programs) or end_in_dhu)
+    cu = torch.tensor([0, 37, 37, 90], device=device)
+    inputs = make_inputs(1, 90, 1, 2, 16, 40, 'on', True, device, cu_seqlens=cu, seed=6)
+    check(run_both(*inputs, torch.float32, cu_seqlens=cu, chunk_size=16, final=final), torch.float32)
+    assert calls == [3 * 2 * 2]   # sequences x value heads x 32-wide value blocks
 
 
 def test_fp64_inputs(device):

@@ -2486,8 +2486,10 @@ def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht
     cfg = _bwd_col_gates.best_config.kwargs
     NV = triton.cdiv(triton.cdiv(V, cfg['BV']), cfg['NVP'])
     assert cfg['BV'] >= 16 and NV <= rowp.shape[0], cfg
-    # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a)
-    common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 else 32))
+    # fp32 inputs: 32-wide value blocks (64 spill 48-88 B per thread at K = 128 for sm_90a); falcon2 (DELTA) too, since
+    # its state paths share the intra-chunk value pass: 0.853 against 0.899 ms at BV = 64 (H100, forty-seventh lease;
+    # falcon2a's kernel at BV = 32 was slower, forty-first lease)
+    common_d = dict(common, BV=min(common['BV'], 64 if k.element_size() <= 2 and not delta else 32))
     _bwd_col_dqk[(NT, B * HV)](
         q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, rowp, B * T, ds_buf, dm_buf, dq, dk, dlast_k, dlam,
         scale, cu_seqlens, ci, co, T, NV_ROW=NV, BVA=triton.next_power_of_2(V), DELTA=delta, **gates, **common_d)

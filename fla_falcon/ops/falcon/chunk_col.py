@@ -69,6 +69,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fla.utils import get_multiprocessor_count
 
 from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
@@ -220,6 +221,15 @@ def _bwd_step(j: tl.constexpr, b_dr, b_z, b_eta, p_m, p_f, o_b, m_v, H: tl.const
 CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]
 
 
+def _end_in_dhu(programs: int, device: torch.device) -> bool:
+    """Whether falcon2's decay-gradient end terms are formed by _bwd_dhu_delta_col (END), given its program count.
+    There the next state's per-chunk load is off the substitution's chain but not free: with a program alone on its
+    multiprocessor, its latency adds to the sequential path. H100, forty-seventh lease (benchmarks/results/lease47):
+    at (4, 4096, 16, 128, 128), 256 programs, the gates kernel's 135 us saved outweigh dhu's +51 us; at (1, 16384),
+    64 programs, gates saved 89 and dhu lost 225."""
+    return programs >= get_multiprocessor_count(device.index or 0)  # (1 under the CPU interpreter)
+
+
 @triton.autotune(configs=CONFIGS_COL_H, key=['H', 'HV', 'K', 'V', 'BT', 'BS', 'IS_VARLEN'])
 @triton.jit
 def _fwd_h_delta_col(k, v, last_k, count, M, G, F, beta, rg, h, h0, ht, r,
@@ -281,13 +291,13 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, h, ht
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                       USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
+                       USE_FINAL_STATE_GRADIENT: tl.constexpr, END: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c; du (the outputs' part)
     plus the state path, the transposed solve (I + L)^T drhs = du (stored in dr), and
-    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs). Also the decay gradient's end term
-    of each chunk, end[c] = sum_k S_next * dS_next per column (S_next: the next chunk's start state h, or the final
-    state ht), for _bwd_col_gates: there it read two [K, V] tiles per chunk; here dS_next is in registers already
-    and the load of S_next is off the substitution's chain.
+    dS0 = exp(G_C) dS_next + scale Q^T (exp(G) do) - X^T (eta exp(Gx) drhs). With END, also the decay gradient's
+    end term of each chunk, end[c] = sum_k S_next * dS_next per column (S_next: the next chunk's start state h, or
+    the final state ht), for _bwd_col_gates, which otherwise reads two [K, V] tiles per chunk for it; here dS_next is
+    in registers already and the load of S_next is off the substitution's chain (see _end_in_dhu for when).
 
     Block by block in reverse, as the forward: b_e is the solve's gradient of the state at the end of the
     current block (the later blocks' rows reach its rows through it), so the backward substitution only
@@ -308,9 +318,10 @@ def _bwd_dhu_delta_col(q, k, last_k, count, M, G, F, beta, rg, do, du, dr, h, ht
     for i_t in range(NT - 1, -1, -1):
         p_h = ((boh + i_t) * HV + i_hv) * K * V + p_kv
         tl.store(dh + p_h, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        b_hn = _next_state(h, ht, p_h, p_kv, m_kv, (i_t * BT + BT + o_k * 0 < T)[:, None], i_n, i_hv, HV, K, V,
-                           USE_FINAL_STATE_GRADIENT)
-        tl.store(end + ((boh + i_t) * HV + i_hv) * V + o_v, tl.sum(b_hn * b_dh, 0), mask=m_v)
+        if END:
+            b_hn = _next_state(h, ht, p_h, p_kv, m_kv, (i_t * BT + BT + o_k * 0 < T)[:, None], i_n, i_hv, HV, K, V,
+                               USE_FINAL_STATE_GRADIENT)
+            tl.store(end + ((boh + i_t) * HV + i_hv) * V + o_v, tl.sum(b_hn * b_dh, 0), mask=m_v)
         b_e = b_dh
         b_dq = tl.zeros([BK, BV], dtype=tl.float32)
         for i_sr in tl.static_range(BT // BS):
@@ -424,10 +435,13 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     F = _step_factors(G, m, cu_seqlens)   # as in the forward (recomputed: not kept beside G)
     if dht is not None and ht is None:
         raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
-    end = torch.empty(m['NTH'], HV, V, **f32)   # the decay gradient's end terms, per chunk (_bwd_col_gates reads them)
+    # the decay gradient's end terms per chunk, formed by the sequential kernel or else by _bwd_col_gates (its program
+    # count from CONFIGS_COL_H's one config: the choice is needed before the launch)
+    end = (torch.empty(m['NTH'], HV, V, **f32)
+           if _end_in_dhu(N * HV * triton.cdiv(V, CONFIGS_COL_H[0].kwargs['BV']), dev) else None)
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         q, k, last_k, count, M, G, F, beta, rg, do, du, dr, h, ht, dh, dht, dh0, end, scale, cu_seqlens, co, T,
-        BS=M.shape[-1], USE_FINAL_STATE_GRADIENT=dht is not None, **common_h)
+        BS=M.shape[-1], USE_FINAL_STATE_GRADIENT=dht is not None, END=end is not None, **common_h)
     del F
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
