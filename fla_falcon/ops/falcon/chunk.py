@@ -2465,7 +2465,8 @@ def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht
                    dbeta, dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common, end=None):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
     shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam). ht: the final state (needed with dht); end: the
-    decay gradient's end terms where already formed (falcon2a)."""
+    decay gradient's end terms where already formed (falcon2a's _bwd_dv_local_col; falcon2's _bwd_dhu_delta_col where
+    chunk_col._end_in_dhu says so), else None: _bwd_col_gates forms them from h and dh."""
     if dht is not None and ht is None:
         raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
     B, T, HV, V, BT, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'BT', 'NT'))
