@@ -57,7 +57,7 @@ def time_model(config, batch: int, seqlen: int, steps: int, warmup: int) -> dict
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / steps
     out = dict(params=n_params, ms_per_step=ms, tokens_per_s=batch * seqlen / ms * 1e3,
-               loss=float(loss), peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+               loss=loss.item(), peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -76,7 +76,15 @@ def main(argv=None) -> int:
     p.add_argument('--steps', type=int, default=10)
     p.add_argument('--warmup', type=int, default=3)
     p.add_argument('--out', default=os.path.join(HERE, 'results'), help='folder for model.json and model.md')
+    p.add_argument('--report-only', action='store_true',
+                   help='rewrite model.md from the model.json in --out (no GPU needed)')
     args = p.parse_args(argv)
+    if args.report_only:
+        with open(os.path.join(args.out, 'model.json')) as f:
+            d = json.load(f)
+        write_markdown(args.out, d['meta'], d['results'])
+        print(f"wrote {args.out}/model.md")
+        return 0
     if not torch.cuda.is_available():
         print('benchmark_model.py needs a CUDA GPU (timings on the Triton interpreter mean nothing).')
         return 2
@@ -111,18 +119,25 @@ def write_report(args, rows: list, guard: bool, done: bool) -> None:
                 dtype='bf16', fla_640_guard_lifted_for_timing=guard, complete=done)
     with open(os.path.join(args.out, 'model.json'), 'w') as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
-    with open(os.path.join(args.out, 'model.md'), 'w') as f:
-        f.write(f"# Training throughput, forward + backward ({meta['device']}, bf16, B={args.batch}, "
-                f"T={args.seqlen}, hidden {args.hidden_size}, {args.layers} layers)\n\n")
-        if not done:
+    write_markdown(args.out, meta, rows)
+
+
+def write_markdown(out: str, meta: dict, rows: list) -> None:
+    with open(os.path.join(out, 'model.md'), 'w') as f:
+        f.write(f"# Training throughput, forward + backward ({meta['device']}, bf16, B={meta['batch']}, "
+                f"T={meta['seqlen']}, hidden {meta['hidden_size']}, {meta['layers']} layers)\n\n"
+                f"torch {meta['torch']}, Triton {meta['triton']}, fla {meta['fla']}; the ratio is against the "
+                "GatedDeltaNet timed in the same process.\n\n")
+        if not meta['complete']:
             f.write("**Partial: the run had not finished when this was written.**\n\n")
-        if guard:
+        if meta['fla_640_guard_lifted_for_timing']:
             f.write("fla's #640 guard (gated chunk backward refused on Triton < 3.7.1 on Hopper) was lifted in this "
                     "process for timing only; GatedDeltaNet's gradients here may be wrong and were not used.\n\n")
-        f.write('| model | params (M) | ms / step | tokens / s | ratio vs GatedDeltaNet |\n|---|---|---|---|---|\n')
+        f.write('| model | params (M) | ms / step | tokens / s | ratio vs GatedDeltaNet | peak memory (GB) |\n'
+                '|---|---:|---:|---:|---:|---:|\n')
         for r in rows:
             f.write(f"| {r['model']} | {r['params'] / 1e6:.1f} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
-                    f"{r['throughput_ratio_vs_gdn']:.3f} |\n")
+                    f"{r['throughput_ratio_vs_gdn']:.3f} | {r['peak_mem_gb']:.1f} |\n")
 
 
 if __name__ == '__main__':

@@ -289,3 +289,19 @@ def test_falcon3_step_form_is_exact():
         bad[i] = bad[i] * (1 + 1e-3)
         o, S = sf.apply_coefficients(bad, X, Y, Q, S0, g, c)
         assert max(sf.rel(o, o_ref), sf.rel(S, S_ref)) > 1e-6, i
+
+
+def test_model_report_only_rebuilds_the_table_from_json(tmp_path, capsys):
+    # the committed results: every model's row with its peak memory, the guard's note; a partial run says so
+    import benchmark_model as bm
+    data = json.loads((ROOT / 'benchmarks' / 'results' / 'model.json').read_text())
+    (tmp_path / 'model.json').write_text(json.dumps(data))
+    assert bm.main(['--report-only', '--out', str(tmp_path)]) == 0
+    md = (tmp_path / 'model.md').read_text()
+    for r in data['results']:
+        assert f"| {r['model']} | {r['params'] / 1e6:.1f} |" in md and f"| {r['peak_mem_gb']:.1f} |\n" in md
+    assert ('guard' in md) == data['meta']['fla_640_guard_lifted_for_timing'] and 'Partial' not in md
+    data['meta']['complete'] = False
+    (tmp_path / 'model.json').write_text(json.dumps(data))
+    bm.main(['--report-only', '--out', str(tmp_path)])
+    assert 'Partial' in (tmp_path / 'model.md').read_text()
