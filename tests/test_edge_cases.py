@@ -462,3 +462,20 @@ def test_layer_output_attentions():
     o, attn, cache = call(layer, x, output_attentions=True)
     assert attn is None and cache is None
     torch.testing.assert_close(o, call(layer, x)[0], **SAME)
+
+
+@pytest.mark.parametrize('rule', ['falcon2', 'falcon2a'])
+def test_final_state_gradient_without_final_state(rule):
+    """The per-column backward reads the forward's final state with a final-state gradient; called without one
+    (autograd never does: no final state, no cotangent) it refuses before any launch."""
+    from fla_falcon.ops.falcon.chunk import _chunk_bwd, _chunk_fwd
+    xs, _ = make(rule, 1, 5, 1, 1, 16, 16, seed=16)
+    q, k, v, beta, lam = (t.to(DEVICE, torch.float32) for t in xs)
+    cfg = dict(eps=1e-6, eps_gamma=1e-3, delta=rule == 'falcon2', per_col=True, win=0, lam_coupled=False,
+               shift=True, cu_seqlens=None, chunk_size=64)
+    nones = (None,) * 5   # S0, last_k, tail_x, tail_v, count
+    o, ht, saved = _chunk_fwd(q, k, v, beta, lam, *nones, 16 ** -0.5, output_final_state=False, **cfg)
+    assert ht is None
+    with pytest.raises(ValueError, match='dht'):
+        _chunk_bwd(q, k, v, beta, lam, *nones, saved, torch.ones_like(o), torch.zeros(1, 1, 16, 16, device=DEVICE),
+                   16 ** -0.5, **cfg)

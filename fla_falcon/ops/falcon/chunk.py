@@ -2271,6 +2271,11 @@ def _col_outputs(v):
     return o, (None if v.dtype == torch.float32 else torch.empty_like(v))
 
 
+def _check_dht(dht, ht):
+    if dht is not None and ht is None:
+        raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
+
+
 def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
                per_col, win, lam_coupled, shift, cu_seqlens, chunk_size):
     if delta and win:
@@ -2296,6 +2301,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if per_col:
         G, o, o_lo, rg, ht, h = saved
         W = None
+        _check_dht(dht, ht)   # before _state_grads, which reads ht with dht
     else:
         G, eta, A, W, vn, h = saved
     # falcon2a: the decay gradient's end terms per chunk and column (from _bwd_dv_local_col; ht: the final state)
@@ -2464,11 +2470,9 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
 def _bwd_col_grads(q, k, v, val, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, dval, dv, dq, dk,
                    dbeta, dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, delta, gates, common, end=None):
     """The per-column rules' backward after the state gradients: _bwd_col_gates (dv, dbeta and the per-row
-    shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam). ht: the final state (needed with dht); end: the
+    shares of the gates' sums), then _bwd_col_dqk (dq, dk, dlam). ht: the final state; end: the
     decay gradient's end terms where already formed (falcon2a's _bwd_dv_local_col; falcon2's _bwd_dhu_delta_col where
     chunk_col._end_in_dhu says so), else None: _bwd_col_gates forms them from h and dh."""
-    if dht is not None and ht is None:
-        raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
     B, T, HV, V, BT, NT = (m[x] for x in ('B', 'T', 'HV', 'V', 'BT', 'NT'))
     f32 = dict(device=k.device, dtype=torch.float32)
     common_h = {key: val_ for key, val_ in common.items() if key != 'BV'}

@@ -75,6 +75,7 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS,
     _bwd_col_grads,
     _bwd_dv_local_col,
+    _check_dht,
     _col_outputs,
     _col_rg,
     _fwd_o_col,
@@ -416,6 +417,7 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
                 cu_seqlens, chunk_size):
     M, G, r, h, o, o_lo, rg, ht = saved
+    _check_dht(dht, ht)   # before any launch: _bwd_dhu_delta_col reads ht with dht
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -433,8 +435,6 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     F = _step_factors(G, m, cu_seqlens)   # as in the forward (recomputed: not kept beside G)
-    if dht is not None and ht is None:
-        raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
     # the decay gradient's end terms per chunk, formed by the sequential kernel or else by _bwd_col_gates (its program
     # count from CONFIGS_COL_H's one config: the choice is needed before the launch)
     end = (torch.empty(m['NTH'], HV, V, **f32)
