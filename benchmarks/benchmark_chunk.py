@@ -14,6 +14,10 @@ Writes benchmarks/results/chunk.json, chunk.md and chunk.png (each rule's forwar
 baseline's, per shape, both measures, against the target). With --cudagraph the targets are judged on the device
 time (forward+backward replayed from a CUDA graph): do_bench's includes the host's. `--report-only` rewrites chunk.md
 and chunk.png from chunk.json, `--plot-only` chunk.png alone, on any machine.
+
+Our ops run with chunk_falcon's default, the backward recomputing the forward's intermediates (gates, WY factors,
+chunk-start states) as fla's chunk ops do; `--disable-recompute` times them with those kept from the forward
+instead (faster backward, more memory). Each op's peak memory over one forward+backward is in the table too.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def lift_fla_guard() -> bool:
 BAND_FORM = _chunk.BAND_FORM
 
 
-def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
+def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda', disable_recompute=False):
     from fla.ops.delta_rule import chunk_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gla import chunk_gla
@@ -90,7 +94,7 @@ def make_cases(B, T, H, K, V, window, recurrent=(), device='cuda'):
         # falcon3a's band form is read when its backward runs: each case runs its forward and backward before the
         # next one starts, so setting it here holds for both
         _chunk.BAND_FORM = band
-        return chunk_falcon(q, k, v, b, lam, rule=rule, window=w)[0]
+        return chunk_falcon(q, k, v, b, lam, rule=rule, window=w, disable_recompute=disable_recompute)[0]
 
     for rule in RULES:
         b = beta_col if rule.startswith('falcon2') else beta
@@ -138,6 +142,24 @@ def bench(fn, leaves, backward):
                 t.grad = None
     run()
     return do_bench(run, warmup=25, rep=100)
+
+
+def peak_memory_mb(fn, leaves) -> float:
+    """The most memory one forward+backward allocates beyond what is allocated before it (inputs, earlier
+    cases' leftovers), in MB: the intermediates the op holds for its backward and its scratch."""
+    run = _fwd_bwd(fn)
+    run()   # the cotangent drawn, kernels compiled
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for t in leaves:
+        t.grad = None
+    return peak / 2 ** 20
 
 
 def bench_graph(fn, leaves) -> float | None:
@@ -202,6 +224,9 @@ def main(argv=None):
     parser.add_argument('--cudagraph', action='store_true',
                         help='also time forward+backward replayed from a CUDA graph (the device time, without the '
                              'host time that do_bench includes), with ratios in a column of their own')
+    parser.add_argument('--disable-recompute', action='store_true',
+                        help="run our ops with disable_recompute=True: the forward's intermediates kept for the "
+                             "backward instead of recomputed there (chunk_falcon's default, and fla's)")
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')
@@ -228,7 +253,7 @@ def main(argv=None):
     for spec in args.shapes:
         B, T, H, K, V = (int(x) for x in spec.split(','))
         recurrent = (args.recurrent or SUPPORTED_RULES) if args.recurrent is not None and spec == args.shapes[0] else ()
-        cases, leaves = make_cases(B, T, H, K, V, args.window, recurrent)
+        cases, leaves = make_cases(B, T, H, K, V, args.window, recurrent, disable_recompute=args.disable_recompute)
         row = {'shape': [B, T, H, K, V], 'ms': {}, 'ratio': {}}
         results.append(row)
         for name, fn in cases.items():
@@ -243,6 +268,8 @@ def main(argv=None):
                                'fwd+bwd': None if fwd_only else bench(fn, leaves, True)}
             if args.cudagraph and not fwd_only:
                 row['ms'][name]['fwd+bwd graph'] = bench_graph(fn, leaves)
+            if not fwd_only:
+                row['ms'][name]['peak MB'] = peak_memory_mb(fn, leaves)
             print(f"{spec:>22} {name:>24} done in {time.perf_counter() - t0:.0f} s", flush=True)
             print(f"{spec:>22} {name:>24} fwd {row['ms'][name]['fwd']:8.3f} ms  "
                   f"fwd+bwd {_ms(row['ms'][name]['fwd+bwd'])} ms", flush=True)
@@ -283,7 +310,8 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
     """chunk.json and chunk.md from the rows measured so far."""
     meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
-            'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done}
+            'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done,
+            'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed'}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     return render_report(meta, results, args.out)
@@ -298,18 +326,29 @@ def render_report(meta, results, out) -> str:
              '![forward+backward time over the baseline, per shape](chunk.png)', '']
     if not meta.get('complete', True):
         lines += ['**Partial: the run had not finished when this was written.**', '']
+    # (runs before chunk_falcon recomputed by default kept every intermediate: no key)
+    if meta.get('falcon_intermediates', 'kept') == 'kept':
+        lines += ["Our ops kept the forward's intermediates (gates, WY factors, chunk-start states) for the backward "
+                  "(`disable_recompute=True`); fla's baselines recompute theirs in the backward.", '']
+    else:
+        lines += ["Our ops recomputed the forward's intermediates in the backward (chunk_falcon's default), as fla's "
+                  "baselines do.", '']
     if meta.get('fla_guard_640_lifted'):
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "
                   "may be wrong there, their timings are what is compared.", '']
     for row in results:
         graph = any('fwd+bwd graph' in t for t in row['ms'].values())
+        mem = any('peak MB' in t for t in row['ms'].values())
         gcol = lambda x: (f" {x:.3f} |" if x else ' - |') if graph else ''  # noqa: E731
+        mcol = lambda x: (f" {x:.0f} |" if x is not None else ' - |') if mem else ''  # noqa: E731
         lines += [f"## (B, T, H, K, V) = {tuple(row['shape'])}", '',
-                  '| op | fwd | fwd+bwd |' + (' fwd+bwd, CUDA graph |' if graph else ''),
-                  '|---|---:|---:|' + ('---:|' if graph else '')]
+                  '| op | fwd | fwd+bwd |' + (' fwd+bwd, CUDA graph |' if graph else '')
+                  + (' peak memory of fwd+bwd over its inputs (MB) |' if mem else ''),
+                  '|---|---:|---:|' + ('---:|' if graph else '') + ('---:|' if mem else '')]
         for name, t in row['ms'].items():
-            lines.append(f"| {name} | {t['fwd']:.3f} | {_ms(t.get('fwd+bwd'))} |" + gcol(t.get('fwd+bwd graph')))
+            lines.append(f"| {name} | {t['fwd']:.3f} | {_ms(t.get('fwd+bwd'))} |" + gcol(t.get('fwd+bwd graph'))
+                         + mcol(t.get('peak MB')))
         judged = 'CUDA graph' if graph else 'fwd+bwd'
         lines += ['', '| rule | baseline | fwd ratio | fwd+bwd ratio |' + (' fwd+bwd ratio, CUDA graph |' if graph
                                                                           else '') + f" target ({judged}) |",

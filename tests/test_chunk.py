@@ -49,9 +49,9 @@ def make_inputs(rule, B, T, H, G, K, V, lam_mode, init, device, seed=0, cu_seqle
 
 
 def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, cu_seqlens=None, chunk_size=64,
-             seed=1, eps=1e-6, window=1, final=True, eps_gamma=None):
+             seed=1, eps=1e-6, window=1, final=True, eps_gamma=None, disable_recompute=False):
     """Runs both ops with the same upstream gradients; returns [(name, ref, tri)]. final=False: no final state
-    (output_final_state=False), the loss reads the outputs only."""
+    (output_final_state=False), the loss reads the outputs only. disable_recompute: chunk_falcon's."""
     leaves = {'q': q, 'k': k, 'v': v, 'beta': beta}
     if lam is not None:
         leaves['lam'] = lam
@@ -78,7 +78,8 @@ def run_both(rule, q, k, v, beta, lam, state, dtype, lam_mode='on', shift=True, 
         if name == 'ref':
             o, fs = naive_recurrent_falcon(*args, initial_state=st, **kw)
         else:
-            o, fs = chunk_falcon(*args, initial_state=st, chunk_size=chunk_size, **kw)
+            o, fs = chunk_falcon(*args, initial_state=st, chunk_size=chunk_size, disable_recompute=disable_recompute,
+                                 **kw)
         assert o.dtype == xs['v'].dtype
         g = torch.Generator(device='cpu').manual_seed(seed)
         do = torch.randn(o.shape, generator=g).to(o.device, torch.float64)
@@ -287,6 +288,40 @@ def test_falcon2a_equal_gains_is_falcon1a(device):
         assert_close(name, a.double(), b.double(), SAME_OP_RATIO[device])
 
 
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
+def test_recompute_matches_saved(rule, device):
+    """By default the backward recomputes the forward's intermediates from the inputs (as fla's chunk ops do);
+    disable_recompute=True keeps them from the forward. Both run the same kernels on the same inputs: the same bits in
+    every output and gradient. And by default no chunk-start state ([chunks, HV, K, V]) is held for the backward."""
+    cu = torch.tensor([0, 23, 70], device=device)
+    N, K, V = 2, 16, 16
+    q, k, v, beta, lam, st = make_inputs(rule, 1, 70, 1, 2, K, V, 'on', True, device, cu_seqlens=cu,
+                                         window=win(rule))
+    g = torch.Generator(device='cpu').manual_seed(5)
+    do, dS = torch.randn(v.shape, generator=g).to(device), torch.randn(st.S.shape, generator=g).to(device)
+    runs, states = {}, {}
+    for keep in (True, False):
+        xs = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
+        S0 = st.S.clone().requires_grad_()
+        state = FalconState(S0, st.last_k, st.tail_x, st.tail_v, st.count)
+        packed = []
+
+        def pack(t):
+            packed.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o, fs = chunk_falcon(*xs, rule=rule, window=win(rule), initial_state=state, output_final_state=True,
+                                 cu_seqlens=cu, chunk_size=16, disable_recompute=keep)
+        grads = torch.autograd.grad((o * do).sum() + (fs.S * dS).sum(), xs + [S0])
+        runs[keep] = [o, fs.S] + list(grads)
+        # tensors of per-chunk states held for the backward (S0 and the final state have N rows)
+        states[keep] = [tuple(t.shape) for t in packed if t.dim() == 4 and t.shape[-2:] == (K, V) and t.shape[0] > N]
+    for name, a, b in zip(['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0'], runs[True], runs[False]):
+        assert torch.equal(a, b), name
+    assert states[True], "disable_recompute=True: the chunk-start states should be among the saved tensors"
+    assert not states[False], f"the default should hold no chunk-start states for the backward: {states[False]}"
+
+
 def test_unsupported_and_bad_args(device):
     q, k, v, beta, lam, _ = make_inputs('falcon1', 1, 8, 1, 1, 16, 16, 'on', False, device)
     for rule in ('falcon2', 'falcon2a', 'falcon3a'):
@@ -297,6 +332,8 @@ def test_unsupported_and_bad_args(device):
             chunk_falcon(q, k, v, b, lam, rule=rule)
     with pytest.raises(ValueError, match='chunk_size'):
         chunk_falcon(q, k, v, beta, lam, rule='falcon1', chunk_size=48)
+    with pytest.raises(TypeError, match='disable_recompute'):
+        chunk_falcon(q, k, v, beta, lam, rule='falcon1', disable_recompute='yes')
     with pytest.raises(NotImplementedError, match='window'):   # the layer falls back to fused_recurrent
         chunk_falcon(q, k, v, beta, lam, rule='falcon3a', window=9)
     with pytest.raises(ValueError, match='beta'):

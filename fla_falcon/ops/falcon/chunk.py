@@ -2191,17 +2191,20 @@ def _meta(q, v, chunk_size, cu_seqlens):
 
 
 def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col, win,
-               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size):
+               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, outputs=None):
+    """(o, the final state, the tensors the backward reads). ``outputs``: None computes o; given (the backward's
+    recomputation), the output kernel is skipped, o is None and ``outputs`` (what only that kernel makes and the
+    backward reads, see _output_parts) takes its place among the saved tensors."""
     if delta and win:
         # falcon3: the window's pairs as virtual rows of falcon1's WY form (chunk_win.py)
         from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
         return chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
-                                 lam_coupled, shift, output_final_state, cu_seqlens, win)
+                                 lam_coupled, shift, output_final_state, cu_seqlens, win, outputs)
     if delta and per_col:
         # falcon2: one triangular system per value column, in the sequential kernel (chunk_col.py)
         from fla_falcon.ops.falcon.chunk_col import chunk_fwd_falcon2
         return chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                                 output_final_state, cu_seqlens, chunk_size)
+                                 output_final_state, cu_seqlens, chunk_size, outputs)
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -2244,6 +2247,10 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
         k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, beta, rg, cu_seqlens, co, T,
         DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
+    if outputs is not None:
+        if per_col:
+            return None, ht, (G, *outputs, rg, ht, h)
+        return None, ht, ((G, eta, *aux, wm, eta_gla, h) if win else (G, eta, A, W, vn, h))
     if per_col:
         o, o_lo = _col_outputs(v)
         _fwd_o_col[(triton.cdiv(V, BV), NT, B * HV)](
@@ -2269,6 +2276,15 @@ def _col_outputs(v):
     backward reads o itself (saved, the op's output) in place of the copy."""
     o = torch.empty_like(v)
     return o, (None if v.dtype == torch.float32 else torch.empty_like(v))
+
+
+def _output_parts(saved, delta, per_col, win):
+    """Of the forward's saved tensors, the ones only its output kernel makes: the per-column rules' (o, o_lo), which
+    their decay gradient reads (o_lo: o's rounding residual, None for fp32 inputs; o is the op's output, so keeping
+    it costs nothing); the other rules' backward reads nothing of their output kernel."""
+    if per_col and not win:
+        return tuple(saved[4:6]) if delta else tuple(saved[1:3])
+    return ()
 
 
 def _check_dht(dht, ht):
@@ -2518,17 +2534,26 @@ class ChunkFalconFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col,
-                win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size):
+                win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, disable_recompute):
         o, ht, saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
                                   delta, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+        if not disable_recompute:
+            # as fla's chunk ops: the backward recomputes the gates, the WY factors and the chunk-start states from the
+            # inputs (one more forward without its output kernel) instead of holding them from here to the backward
+            saved = _output_parts(saved, delta, per_col, win)
         ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved)
         ctx.cfg = (scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size)
+        ctx.recompute = (output_final_state,) if not disable_recompute else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved = ctx.saved_tensors
         scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size = ctx.cfg
+        if ctx.recompute is not None:
+            saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta,
+                               per_col, win, lam_coupled, shift, ctx.recompute[0], cu_seqlens, chunk_size,
+                               outputs=tuple(saved))[2]
         # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
         dht = dht.contiguous() if dht is not None else None
         dq, dk, dv, dbeta, dlam, dh0, dlast_k, dtail_x, dtail_v = _chunk_bwd(
@@ -2537,7 +2562,7 @@ class ChunkFalconFunction(torch.autograd.Function):
         cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam), cast(dh0, S0),
                 cast(dlast_k, last_k), cast(dtail_x, tail_x), cast(dtail_v, tail_v),
-                None, None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def chunk_falcon(
@@ -2558,6 +2583,7 @@ def chunk_falcon(
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_size: int = 64,
+    disable_recompute: bool = False,
 ) -> tuple[torch.Tensor, FalconState | None]:
     r"""Chunk-parallel Falcon (Triton), same arguments, semantics and state as
     :func:`~fla_falcon.ops.falcon.naive.naive_recurrent_falcon`.
@@ -2569,7 +2595,15 @@ def chunk_falcon(
     computed in fp32); ``o`` is returned in ``v``'s dtype and the final state in fp32 (fp64 for fp64
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
     state's ``S``, ``last_k``, ``tail_x`` and ``tail_v``.
+
+    ``disable_recompute`` (fla's option of the same name, e.g. in ``chunk_kda``): by default the forward keeps
+    only its inputs (and, for the per-column rules, o's fp32 rounding residual) and the backward recomputes the
+    gates, WY factors and chunk-start states, as fla's chunk ops do. ``True`` keeps them from the forward instead:
+    a faster backward (no second state pass; for falcon2 its sequential solve) for several value-sized tensors and
+    the chunk-start states (``[B, T / chunk, HV, K, V]``) per call, held until the backward.
     """
+    if not isinstance(disable_recompute, bool):
+        raise TypeError(f"disable_recompute must be a bool, got {disable_recompute!r}")
     scale, N = validate_falcon_inputs(
         q, k, v, beta, lam, rule=rule, window=window, scale=scale, eps=eps, eps_gamma=eps_gamma,
         lam_coupled=lam_coupled, shift=shift, initial_state=initial_state, cu_seqlens=cu_seqlens)
@@ -2625,7 +2659,7 @@ def chunk_falcon(
         S0 = last_k0 = count = tail_x0 = tail_v0 = None
     o, ht = ChunkFalconFunction.apply(
         q, k, v, beta, lam, S0, last_k0, tail_x0, tail_v0, count, scale, float(eps), float(eps_gamma),
-        regression, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+        regression, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, disable_recompute)
     final_state = None
     if output_final_state:
         final_state = _final_state(k, v, ht, initial_state, cu_seqlens, N, H, HV, K, V, T, window, shift)

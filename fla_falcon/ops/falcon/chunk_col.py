@@ -378,7 +378,9 @@ def _step_factors(G, m, cu_seqlens):
 
 
 def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                output_final_state, cu_seqlens, chunk_size):
+                output_final_state, cu_seqlens, chunk_size, outputs=None):
+    """falcon2's chunk forward: (o, final S, saved tensors); with ``outputs`` (the backward's recomputation: the
+    forward's (o, o_lo)) no output kernel, o None and ``outputs`` in the saved tensors."""
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -405,6 +407,8 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
         k, v, last_k, count, M, G, F, beta, rg, h, S0, ht, r, cu_seqlens, co, T, BS=BS,
         STORE_FINAL_STATE=output_final_state, **common_h)
     del F
+    if outputs is not None:
+        return None, ht, (M, G, r, h, *outputs, rg, ht)
     # falcon2a's output kernel forms u = eta v: fed the residual, it forms u = eta r (and writes the output's
     # rounding residual o_lo for the decay gradient)
     o, o_lo = _col_outputs(v)

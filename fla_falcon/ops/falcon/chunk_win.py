@@ -359,8 +359,9 @@ def _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps, eps_gam
 
 
 def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
-                      shift, output_final_state, cu_seqlens, window):
-    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors)."""
+                      shift, output_final_state, cu_seqlens, window, outputs=None):
+    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors); with ``outputs`` (the backward's
+    recomputation: ``()``) no output kernel and o None."""
     m, WP, BS, row_kw, E, Ue, G, c, A = _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps,
                                                          eps_gamma, lam_coupled, shift, cu_seqlens, window)
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
@@ -377,6 +378,8 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     _fwd_h3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         k, last_k, count, tail_x, G, Wt, U, h, S0, ht, vn, cu_seqlens, co, T,
         STORE_FINAL_STATE=output_final_state, **row_kw)
+    if outputs is not None:
+        return None, ht, (E, Ue, G, c, A, Wt, vn, h)
     o = torch.empty_like(v)
     _fwd_o3[(triton.cdiv(V, BV), NT, B * HV)](
         q, k, last_k, count, tail_x, G, vn, h, o, scale, cu_seqlens, ci, co, T, BV=BV, BSO=max(BS, 16), **row_kw)
