@@ -17,7 +17,8 @@ and chunk.png from chunk.json, `--plot-only` chunk.png alone, on any machine.
 
 Our ops run with chunk_falcon's default, the backward recomputing the forward's intermediates (gates, WY factors,
 chunk-start states) as fla's chunk ops do; `--disable-recompute` times them with those kept from the forward
-instead (faster backward, more memory). Each op's peak memory over one forward+backward is in the table too.
+instead (faster backward, more memory). The table has each op's memory too: what its forward holds until the
+backward (per layer of a model) and its peak over one forward+backward, both over its inputs.
 """
 
 from __future__ import annotations
@@ -144,22 +145,28 @@ def bench(fn, leaves, backward):
     return do_bench(run, warmup=25, rep=100)
 
 
-def peak_memory_mb(fn, leaves) -> float:
-    """The most memory one forward+backward allocates beyond what is allocated before it (inputs, earlier
-    cases' leftovers), in MB: the intermediates the op holds for its backward and its scratch."""
-    run = _fwd_bwd(fn)
-    run()   # the cotangent drawn, kernels compiled
+def memory_mb(fn, leaves) -> tuple[float, float]:
+    """(held, peak) in MB over one forward+backward, against what is allocated before it (inputs, earlier cases'
+    leftovers): held, what the forward leaves allocated until the backward (its output and the tensors it saves for
+    the backward: what a model holds per layer); peak, the most allocated at any time (the backward's scratch and
+    any recomputed intermediates included)."""
+    step = _fwd_bwd(fn)
+    step()   # the cotangent drawn, kernels compiled
     for t in leaves:
         t.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    run()
+    o = fn()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    o.backward(torch.ones_like(o))
+    del o
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     for t in leaves:
         t.grad = None
-    return peak / 2 ** 20
+    return held / 2 ** 20, peak / 2 ** 20
 
 
 def bench_graph(fn, leaves) -> float | None:
@@ -269,7 +276,7 @@ def main(argv=None):
             if args.cudagraph and not fwd_only:
                 row['ms'][name]['fwd+bwd graph'] = bench_graph(fn, leaves)
             if not fwd_only:
-                row['ms'][name]['peak MB'] = peak_memory_mb(fn, leaves)
+                row['ms'][name]['held MB'], row['ms'][name]['peak MB'] = memory_mb(fn, leaves)
             print(f"{spec:>22} {name:>24} done in {time.perf_counter() - t0:.0f} s", flush=True)
             print(f"{spec:>22} {name:>24} fwd {row['ms'][name]['fwd']:8.3f} ms  "
                   f"fwd+bwd {_ms(row['ms'][name]['fwd+bwd'])} ms", flush=True)
@@ -341,14 +348,15 @@ def render_report(meta, results, out) -> str:
         graph = any('fwd+bwd graph' in t for t in row['ms'].values())
         mem = any('peak MB' in t for t in row['ms'].values())
         gcol = lambda x: (f" {x:.3f} |" if x else ' - |') if graph else ''  # noqa: E731
-        mcol = lambda x: (f" {x:.0f} |" if x is not None else ' - |') if mem else ''  # noqa: E731
+        mcol = lambda t: ''.join(f" {t[m]:.0f} |" if t.get(m) is not None else ' - |'  # noqa: E731
+                                 for m in ('held MB', 'peak MB')) if mem else ''
         lines += [f"## (B, T, H, K, V) = {tuple(row['shape'])}", '',
                   '| op | fwd | fwd+bwd |' + (' fwd+bwd, CUDA graph |' if graph else '')
-                  + (' peak memory of fwd+bwd over its inputs (MB) |' if mem else ''),
-                  '|---|---:|---:|' + ('---:|' if graph else '') + ('---:|' if mem else '')]
+                  + (' MB held from fwd to bwd | peak MB of fwd+bwd |' if mem else ''),
+                  '|---|---:|---:|' + ('---:|' if graph else '') + ('---:|---:|' if mem else '')]
         for name, t in row['ms'].items():
             lines.append(f"| {name} | {t['fwd']:.3f} | {_ms(t.get('fwd+bwd'))} |" + gcol(t.get('fwd+bwd graph'))
-                         + mcol(t.get('peak MB')))
+                         + mcol(t))
         judged = 'CUDA graph' if graph else 'fwd+bwd'
         lines += ['', '| rule | baseline | fwd ratio | fwd+bwd ratio |' + (' fwd+bwd ratio, CUDA graph |' if graph
                                                                           else '') + f" target ({judged}) |",

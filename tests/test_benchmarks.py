@@ -53,6 +53,26 @@ def test_report_only_judges_targets_on_device_time(tmp_path):
     assert (tmp_path / 'chunk.png').exists()
 
 
+def test_report_shows_memory_and_which_intermediates_were_kept(tmp_path):
+    # a run of the default (intermediates recomputed in the backward) with both memory measures, and one from before
+    # the held measure (peak only) with the intermediates kept: each says which it was, the missing measure is '-'
+    data = json.loads((ROOT / 'benchmarks' / 'results' / 'chunk.json').read_text())
+    row = data['results'][0]
+    row['ms']['falcon1'].update({'held MB': 123.4, 'peak MB': 933.0})
+    data['meta']['falcon_intermediates'] = 'recomputed'
+    (tmp_path / 'chunk.json').write_text(json.dumps(data))
+    bc.main(['--report-only', '--out', str(tmp_path)])
+    md = (tmp_path / 'chunk.md').read_text()
+    assert 'recomputed the forward' in md and '| MB held from fwd to bwd | peak MB of fwd+bwd |' in md
+    assert '| 123 | 933 |' in md.split('| falcon1 |')[1].split('\n')[0]
+    del row['ms']['falcon1']['held MB']
+    data['meta']['falcon_intermediates'] = 'kept'
+    (tmp_path / 'chunk.json').write_text(json.dumps(data))
+    bc.main(['--report-only', '--out', str(tmp_path)])
+    md = (tmp_path / 'chunk.md').read_text()
+    assert 'kept the forward' in md and '| - | 933 |' in md.split('| falcon1 |')[1].split('\n')[0]
+
+
 def test_sweep_configs_compares_each_config_with_the_first(tmp_path):
     # on the CPU (interpreter) the launch configs give the same results, and a config that changes the kernel's
     # math (SHIFT=0: the same-step key) must show up as a difference
