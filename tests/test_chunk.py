@@ -292,14 +292,15 @@ def test_falcon2a_equal_gains_is_falcon1a(device):
 def test_recompute_matches_saved(rule, device):
     """By default the backward recomputes the forward's intermediates from the inputs (as fla's chunk ops do);
     disable_recompute=True keeps them from the forward. Both run the same kernels on the same inputs: the same bits in
-    every output and gradient. And by default no chunk-start state ([chunks, HV, K, V]) is held for the backward."""
+    every output and gradient. And by default no chunk-start state ([chunks, HV, K, V]) is held for the backward, and
+    fewer bytes in all."""
     cu = torch.tensor([0, 23, 70], device=device)
     N, K, V = 2, 16, 16
     q, k, v, beta, lam, st = make_inputs(rule, 1, 70, 1, 2, K, V, 'on', True, device, cu_seqlens=cu,
                                          window=win(rule))
     g = torch.Generator(device='cpu').manual_seed(5)
     do, dS = torch.randn(v.shape, generator=g).to(device), torch.randn(st.S.shape, generator=g).to(device)
-    runs, states = {}, {}
+    runs, states, held = {}, {}, {}
     for keep in (True, False):
         xs = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
         S0 = st.S.clone().requires_grad_()
@@ -316,10 +317,12 @@ def test_recompute_matches_saved(rule, device):
         runs[keep] = [o, fs.S] + list(grads)
         # tensors of per-chunk states held for the backward (S0 and the final state have N rows)
         states[keep] = [tuple(t.shape) for t in packed if t.dim() == 4 and t.shape[-2:] == (K, V) and t.shape[0] > N]
+        held[keep] = sum(t.numel() * t.element_size() for t in {id(t): t for t in packed}.values())
     for name, a, b in zip(['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0'], runs[True], runs[False]):
         assert torch.equal(a, b), name
     assert states[True], "disable_recompute=True: the chunk-start states should be among the saved tensors"
     assert not states[False], f"the default should hold no chunk-start states for the backward: {states[False]}"
+    assert held[False] < held[True], held
 
 
 def test_unsupported_and_bad_args(device):

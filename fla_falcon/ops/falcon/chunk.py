@@ -2191,20 +2191,21 @@ def _meta(q, v, chunk_size, cu_seqlens):
 
 
 def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col, win,
-               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, outputs=None):
-    """(o, the final state, the tensors the backward reads). ``outputs``: None computes o; given (the backward's
-    recomputation), the output kernel is skipped, o is None and ``outputs`` (what only that kernel makes and the
-    backward reads, see _output_parts) takes its place among the saved tensors."""
+               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None):
+    """(o, the final state, the tensors the backward reads). The backward's recomputation (chunk_falcon's
+    default) passes what the forward kept (_recompute_split): ``outputs``, what only the output kernel makes and the
+    backward reads (the kernel is skipped, o is None and these take their place among the saved tensors), and
+    ``gates``, the per-row gates and WY solves, which are not formed again."""
     if delta and win:
         # falcon3: the window's pairs as virtual rows of falcon1's WY form (chunk_win.py)
         from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
         return chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
-                                 lam_coupled, shift, output_final_state, cu_seqlens, win, outputs)
+                                 lam_coupled, shift, output_final_state, cu_seqlens, win, outputs, gates)
     if delta and per_col:
         # falcon2: one triangular system per value column, in the sequential kernel (chunk_col.py)
         from fla_falcon.ops.falcon.chunk_col import chunk_fwd_falcon2
         return chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                                 output_final_state, cu_seqlens, chunk_size, outputs)
+                                 output_final_state, cu_seqlens, chunk_size, outputs, gates)
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -2212,33 +2213,43 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     use_init = S0 is not None
     common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, SHIFT=int(shift), USE_INITIAL_STATE=use_init,
                   IS_VARLEN=cu_seqlens is not None)
-    G = torch.empty(B, T, HV, *((V,) if per_col else ()), device=dev, dtype=torch.float32)
-    # (the per-column rules form eta where they read it, from beta and rg below: _col_eta)
-    eta = None if per_col else torch.empty_like(G)
-    A = W = U = vn = None
+    A = W = U = vn = rg = wm = None
+    aux = (None,) * 3
+    if gates is None:
+        G = torch.empty(B, T, HV, *((V,) if per_col else ()), device=dev, dtype=torch.float32)
+        # (the per-column rules form eta where they read it, from beta and rg below: _col_eta)
+        eta = None if per_col else torch.empty_like(G)
+        # falcon3a: the per-step log-decay, window energy and 1 / B (for _win_weights and the backward)
+        if win:
+            aux = tuple(torch.empty(B, T, HV, device=dev, dtype=torch.float32) for _ in range(3))
+        # the per-column rules: the row gates (lam', 1 / den) for the backward
+        rg = torch.empty(B, T, HV, 2, device=dev, dtype=torch.float32) if per_col else None
+        _prep_fwd[(NT, B * HV)](
+            k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, rg, cu_seqlens, ci, co, eps, eps_gamma, T,
+            PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False,
+            WIN_AUX=bool(win), **common)
+        eta_gla = eta
+        if win:
+            # the band's weights Mb and the delayed GLA rows' mt, which the GLA kernels read as their eta
+            wm = torch.empty(B, T, HV, 8, device=dev, dtype=torch.float32)
+            eta_gla = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
+            _win_weights[(NT, B * HV)](eta, aux[0], wm, eta_gla, cu_seqlens, ci, co, T, HV=HV, BT=BT, WIN=win,
+                                       IS_VARLEN=cu_seqlens is not None)
+        if delta:
+            A = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
+            common_s = {key: val for key, val in common.items() if key not in ('V', 'BV')}
+            _wy_solve[(NT, B * HV)](k, last_k, count, G, eta, A, cu_seqlens, ci, co, T, **common_s)
+    elif per_col:
+        (G, rg), eta, eta_gla = gates, None, None
+    elif win:
+        G, eta, *aux, wm, eta_gla = gates
+    else:
+        G, eta, *A = gates
+        A, eta_gla = (A[0] if A else None), eta
     if delta:
-        A = torch.empty(B, T, HV, BT, device=dev, dtype=torch.float32)
         W = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
         U = torch.empty_like(v)
         vn = torch.empty_like(v)
-    # falcon3a: the per-step log-decay, window energy and 1 / B (for _win_weights and the backward)
-    aux = tuple(torch.empty(B, T, HV, device=dev, dtype=torch.float32) for _ in range(3)) if win else (None,) * 3
-    # the per-column rules: the row gates (lam', 1 / den) for the backward
-    rg = torch.empty(B, T, HV, 2, device=dev, dtype=torch.float32) if per_col else None
-    _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, tail_x, None, G, eta, *aux, rg, cu_seqlens, ci, co, eps, eps_gamma, T,
-        PER_COL=per_col, WIN=win, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False,
-        WIN_AUX=bool(win), **common)
-    wm, eta_gla = None, eta
-    if win:
-        # the band's weights Mb and the delayed GLA rows' mt, which the GLA kernels read as their eta
-        wm = torch.empty(B, T, HV, 8, device=dev, dtype=torch.float32)
-        eta_gla = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
-        _win_weights[(NT, B * HV)](eta, aux[0], wm, eta_gla, cu_seqlens, ci, co, T, HV=HV, BT=BT, WIN=win,
-                                   IS_VARLEN=cu_seqlens is not None)
-    if delta:
-        common_s = {key: val for key, val in common.items() if key not in ('V', 'BV')}
-        _wy_solve[(NT, B * HV)](k, last_k, count, G, eta, A, cu_seqlens, ci, co, T, **common_s)
         _wy_wu[(NT, B * HV)](k, v, last_k, count, G, eta, A, W, U, cu_seqlens, ci, co, T, **common)
     h = torch.empty(m['NTH'] if cu_seqlens is not None else B * NT, HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -2278,13 +2289,28 @@ def _col_outputs(v):
     return o, (None if v.dtype == torch.float32 else torch.empty_like(v))
 
 
-def _output_parts(saved, delta, per_col, win):
-    """Of the forward's saved tensors, the ones only its output kernel makes: the per-column rules' (o, o_lo), which
-    their decay gradient reads (o_lo: o's rounding residual, None for fp32 inputs; o is the op's output, so keeping
-    it costs nothing); the other rules' backward reads nothing of their output kernel."""
-    if per_col and not win:
-        return tuple(saved[4:6]) if delta else tuple(saved[1:3])
-    return ()
+def _recompute_split(saved, delta, per_col, win):
+    """What the forward keeps for a recomputing backward (chunk_falcon's default), as (gates, outputs):
+
+    - gates: the per-row gates and the WY solves (G, eta, the triangular inverses A, falcon2's key Grams, falcon3's
+      window energies, falcon3a's band weights), which the recomputation does not form again: per-row scalars and
+      [T, chunk]-sized solves, the kind of tensors fla's chunk ops keep too (the gated delta rule its A, GLA its
+      cumulative gate); not the value-sized WY tensors (W, U, v_new, falcon2's residual) or the chunk-start states,
+      which the backward recomputes;
+    - outputs: what only the output kernel makes, the per-column rules' (o, o_lo) for their decay gradient (o_lo:
+      o's rounding residual, None for fp32 inputs; o is the op's output, keeping it costs nothing).
+
+    The layouts are those _chunk_fwd's three forwards return."""
+    if delta and win:        # falcon3: (E, Ue, G, c, A, Wt, vn, h)
+        return tuple(saved[:5]), ()
+    if delta and per_col:    # falcon2: (M, G, r, h, o, o_lo, rg, ht)
+        return (saved[0], saved[1], saved[6]), tuple(saved[4:6])
+    if per_col:              # falcon2a: (G, o, o_lo, rg, ht, h)
+        return (saved[0], saved[3]), tuple(saved[1:3])
+    if win:                  # falcon3a: (G, eta, *aux, wm, eta_gla, h)
+        return tuple(saved[:-1]), ()
+    # falcon1: (G, eta, A, W, vn, h); falcon1a: the same with A, W, vn None
+    return tuple(saved[:3] if delta else saved[:2]), ()
 
 
 def _check_dht(dht, ht):
@@ -2537,13 +2563,16 @@ class ChunkFalconFunction(torch.autograd.Function):
                 win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, disable_recompute):
         o, ht, saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
                                   delta, per_col, win, lam_coupled, shift, output_final_state, cu_seqlens, chunk_size)
+        ctx.recompute = None
         if not disable_recompute:
-            # as fla's chunk ops: the backward recomputes the gates, the WY factors and the chunk-start states from the
-            # inputs (one more forward without its output kernel) instead of holding them from here to the backward
-            saved = _output_parts(saved, delta, per_col, win)
+            # as fla's chunk ops: the backward recomputes the value-sized WY tensors and the chunk-start states from
+            # the inputs and the kept gates (the forward's state pass again, no output kernel) instead of holding
+            # them from here to the backward
+            gates, outputs = _recompute_split(saved, delta, per_col, win)
+            saved = gates + outputs
+            ctx.recompute = (output_final_state, len(gates))
         ctx.save_for_backward(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved)
         ctx.cfg = (scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size)
-        ctx.recompute = (output_final_state,) if not disable_recompute else None
         return o, ht
 
     @staticmethod
@@ -2551,9 +2580,10 @@ class ChunkFalconFunction(torch.autograd.Function):
         q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved = ctx.saved_tensors
         scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size = ctx.cfg
         if ctx.recompute is not None:
+            final, n_gates = ctx.recompute
             saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta,
-                               per_col, win, lam_coupled, shift, ctx.recompute[0], cu_seqlens, chunk_size,
-                               outputs=tuple(saved))[2]
+                               per_col, win, lam_coupled, shift, final, cu_seqlens, chunk_size,
+                               outputs=tuple(saved[n_gates:]), gates=tuple(saved[:n_gates]))[2]
         # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
         dht = dht.contiguous() if dht is not None else None
         dq, dk, dv, dbeta, dlam, dh0, dlast_k, dtail_x, dtail_v = _chunk_bwd(
@@ -2596,11 +2626,12 @@ def chunk_falcon(
     inputs). ``chunk_size`` is 16, 32 or 64. Differentiable in q, k, v, beta, lam and the initial
     state's ``S``, ``last_k``, ``tail_x`` and ``tail_v``.
 
-    ``disable_recompute`` (fla's option of the same name, e.g. in ``chunk_kda``): by default the forward keeps
-    only its inputs (and, for the per-column rules, o's fp32 rounding residual) and the backward recomputes the
-    gates, WY factors and chunk-start states, as fla's chunk ops do. ``True`` keeps them from the forward instead:
-    a faster backward (no second state pass; for falcon2 its sequential solve) for several value-sized tensors and
-    the chunk-start states (``[B, T / chunk, HV, K, V]``) per call, held until the backward.
+    ``disable_recompute`` (fla's option of the same name, e.g. in ``chunk_kda``): by default the forward keeps its
+    inputs, the per-row gates and the WY solves (and, for the per-column rules, o's fp32 rounding residual), and
+    the backward recomputes the value-sized WY tensors and the chunk-start states from them, as fla's chunk ops do.
+    ``True`` keeps those from the forward too: a faster backward (no second state pass; for falcon2 its sequential
+    solve) for several value-sized tensors and the chunk-start states (``[B, T / chunk, HV, K, V]``) per call, held
+    until the backward.
     """
     if not isinstance(disable_recompute, bool):
         raise TypeError(f"disable_recompute must be a bool, got {disable_recompute!r}")

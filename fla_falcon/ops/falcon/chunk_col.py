@@ -378,27 +378,33 @@ def _step_factors(G, m, cu_seqlens):
 
 
 def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                output_final_state, cu_seqlens, chunk_size, outputs=None):
-    """falcon2's chunk forward: (o, final S, saved tensors); with ``outputs`` (the backward's recomputation: the
-    forward's (o, o_lo)) no output kernel, o None and ``outputs`` in the saved tensors."""
+                output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None):
+    """falcon2's chunk forward: (o, final S, saved tensors). The backward's recomputation passes ``outputs`` (the
+    forward's (o, o_lo): no output kernel, o None, ``outputs`` in the saved tensors) and ``gates``, the saved
+    (M, G, rg), which it does not form again."""
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     dev = q.device
     common = _common(m, shift, S0 is not None, cu_seqlens)
     f32 = dict(device=dev, dtype=torch.float32)
-    G = torch.empty(B, T, HV, V, **f32)
-    rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den): eta = beta / den is formed where it is read
-    _prep_fwd[(NT, B * HV)](
-        k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, cu_seqlens, ci, co, eps,
-        eps_gamma, T, PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False, **common)
-    # the substitution steps' decay factors exp(g) (1 past the end) and key Grams (0 past the end), BT rows per chunk
-    F = _step_factors(G, m, cu_seqlens)
     BS = min(SUB, m['BT'])
-    M = torch.empty(m['NTH'] * m['BT'], m['H'], BS, **f32)
-    gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT', 'USE_INITIAL_STATE',
-                                                                  'IS_VARLEN')}
-    _gram[(NT, B * m['H'])](k, last_k, count, M, cu_seqlens, ci, co, T, BS=BS, **gram_kw)
+    if gates is None:
+        G = torch.empty(B, T, HV, V, **f32)
+        rg = torch.empty(B, T, HV, 2, **f32)   # the row gates (lam', 1 / den): eta = beta / den is formed where read
+        _prep_fwd[(NT, B * HV)](
+            k, v, beta, lam, last_k, count, None, None, G, None, None, None, None, rg, cu_seqlens, ci, co, eps,
+            eps_gamma, T, PER_COL=True, WIN=0, HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled, E_GIVEN=False,
+            **common)
+        # the key Grams of the substitution blocks (0 past the end), BT rows per chunk
+        M = torch.empty(m['NTH'] * m['BT'], m['H'], BS, **f32)
+        gram_kw = {key: val for key, val in common.items() if key in ('H', 'K', 'BT', 'BK', 'SHIFT',
+                                                                      'USE_INITIAL_STATE', 'IS_VARLEN')}
+        _gram[(NT, B * m['H'])](k, last_k, count, M, cu_seqlens, ci, co, T, BS=BS, **gram_kw)
+    else:
+        M, G, rg = gates
+    # the substitution steps' decay factors exp(g) (1 past the end), BT rows per chunk
+    F = _step_factors(G, m, cu_seqlens)
     h = torch.empty(m['NTH'], HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
     r = torch.empty(B, T, HV, V, **f32)

@@ -359,11 +359,16 @@ def _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps, eps_gam
 
 
 def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
-                      shift, output_final_state, cu_seqlens, window, outputs=None):
-    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors); with ``outputs`` (the backward's
-    recomputation: ``()``) no output kernel and o None."""
-    m, WP, BS, row_kw, E, Ue, G, c, A = _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps,
-                                                         eps_gamma, lam_coupled, shift, cu_seqlens, window)
+                      shift, output_final_state, cu_seqlens, window, outputs=None, gates=None):
+    """falcon3's chunk forward (window >= 2): (o, final S, saved tensors). The backward's recomputation passes
+    ``outputs`` (``()``: no output kernel, o None) and ``gates``, the saved (E, Ue, G, c, A), which it does not form
+    again."""
+    if gates is None:
+        m, WP, BS, row_kw, E, Ue, G, c, A = _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps,
+                                                             eps_gamma, lam_coupled, shift, cu_seqlens, window)
+    else:
+        m, WP, BS, row_kw = _win_meta(q, v, window, S0, cu_seqlens, shift)
+        E, Ue, G, c, A = gates
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     dev = q.device
