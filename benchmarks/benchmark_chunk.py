@@ -233,7 +233,7 @@ def main(argv=None):
                              'host time that do_bench includes), with ratios in a column of their own')
     parser.add_argument('--disable-recompute', action='store_true',
                         help="run our ops with disable_recompute=True: the forward's intermediates kept for the "
-                             "backward instead of recomputed there (chunk_falcon's default, and fla's)")
+                             "backward instead of recomputed there (recomputing is chunk_falcon's default, as fla's)")
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')

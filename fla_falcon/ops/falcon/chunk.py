@@ -2244,8 +2244,7 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     elif win:
         G, eta, *aux, wm, eta_gla = gates
     else:
-        G, eta, *A = gates
-        A, eta_gla = (A[0] if A else None), eta
+        (G, eta, A), eta_gla = gates, gates[1]
     if delta:
         W = torch.empty(B, T, HV, K, device=dev, dtype=k.dtype)
         U = torch.empty_like(v)
@@ -2310,7 +2309,7 @@ def _recompute_split(saved, delta, per_col, win):
     if win:                  # falcon3a: (G, eta, *aux, wm, eta_gla, h)
         return tuple(saved[:-1]), ()
     # falcon1: (G, eta, A, W, vn, h); falcon1a: the same with A, W, vn None
-    return tuple(saved[:3] if delta else saved[:2]), ()
+    return tuple(saved[:3]), ()
 
 
 def _check_dht(dht, ht):
