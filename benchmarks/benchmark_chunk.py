@@ -234,6 +234,9 @@ def main(argv=None):
     parser.add_argument('--disable-recompute', action='store_true',
                         help="run our ops with disable_recompute=True: the forward's intermediates kept for the "
                              "backward instead of recomputed there (recomputing is chunk_falcon's default, as fla's)")
+    parser.add_argument('--one-stream', action='store_true',
+                        help="recompute on one CUDA stream: without chunk.py's OVERLAP_RECOMPUTE (the recomputed "
+                             "state pass beside the state gradients, on a second stream)")
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')
@@ -255,6 +258,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit('benchmark_chunk.py needs a CUDA GPU (the Triton kernels are timed on the device); none found.')
     lifted = lift_fla_guard()
+    if args.one_stream:
+        from fla_falcon.ops.falcon import chunk as chunk_mod
+        chunk_mod.OVERLAP_RECOMPUTE = False
     os.makedirs(args.out, exist_ok=True)
     results = []
     for spec in args.shapes:
@@ -318,7 +324,8 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
     meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
             'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done,
-            'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed'}
+            'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed',
+            'recompute_streams': 1 if getattr(args, 'one_stream', False) else 2}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     return render_report(meta, results, args.out)
@@ -338,8 +345,10 @@ def render_report(meta, results, out) -> str:
         lines += ["Our ops kept the forward's intermediates (gates, WY factors, chunk-start states) for the backward "
                   "(`disable_recompute=True`); fla's baselines recompute theirs in the backward.", '']
     else:
+        streams = meta.get('recompute_streams', 1)
         lines += ["Our ops recomputed the forward's intermediates in the backward (chunk_falcon's default), as fla's "
-                  "baselines do.", '']
+                  "baselines do" + (", the state pass on a second CUDA stream beside the state gradients (falcon1, "
+                                    "falcon1a, falcon2a, falcon3a)." if streams == 2 else ", on one CUDA stream."), '']
     if meta.get('fla_guard_640_lifted'):
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "

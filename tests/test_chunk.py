@@ -325,6 +325,34 @@ def test_recompute_matches_saved(rule, device):
     assert held[False] < held[True], held
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize('rule', [r for r in SUPPORTED_RULES if r not in ('falcon2', 'falcon3')])
+def test_gpu_recompute_overlapped(rule, device, monkeypatch):
+    """The recomputing backward's state pass runs on a second stream beside the state gradients (chunk.py's _Fork):
+    the same bits as on one stream and as with the states kept, at a length where the two passes overlap for
+    milliseconds (a missing join, or a buffer the second stream still reads handed out again, shows here)."""
+    from fla_falcon.ops.falcon import chunk as chunk_mod
+    cu = torch.tensor([0, 1000, 4096], device=device)
+    q, k, v, beta, lam, st = make_inputs(rule, 1, 4096, 4, 1, 128, 128, 'on', True, device, cu_seqlens=cu,
+                                         window=win(rule))
+    xs = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v, beta, lam)]
+    S0 = st.S.clone().requires_grad_()
+    state = FalconState(S0, st.last_k, st.tail_x, st.tail_v, st.count)
+    do = torch.randn(xs[2].shape, device=device, generator=torch.Generator(device=device).manual_seed(3))
+    runs = {}
+    for mode in ('overlap', 'one stream', 'kept'):
+        monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', mode == 'overlap')
+        chunk_mod._SIDE_STREAMS.clear()
+        o, fs = chunk_falcon(*xs, rule=rule, window=win(rule), initial_state=state, output_final_state=True,
+                             cu_seqlens=cu, disable_recompute=mode == 'kept')
+        runs[mode] = [o, fs.S] + list(torch.autograd.grad((o * do.to(o.dtype)).sum() + fs.S.sum(), xs + [S0]))
+        assert bool(chunk_mod._SIDE_STREAMS) == (mode == 'overlap'), mode
+    names = ['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0']
+    for mode in ('one stream', 'kept'):
+        differ = [name for name, a, b in zip(names, runs['overlap'], runs[mode]) if not torch.equal(a, b)]
+        assert not differ, f"{rule}: overlapped recomputation against {mode}: {differ}"
+
+
 def test_unsupported_and_bad_args(device):
     q, k, v, beta, lam, _ = make_inputs('falcon1', 1, 8, 1, 1, 16, 16, 'on', False, device)
     for rule in ('falcon2', 'falcon2a', 'falcon3a'):

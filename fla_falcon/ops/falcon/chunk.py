@@ -2190,12 +2190,50 @@ def _meta(q, v, chunk_size, cu_seqlens):
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
 
+# The recomputing backward's state pass (_fwd_h again) on a second CUDA stream, beside the backward's first kernels
+# (_bwd_dv_local and the state gradients' _bwd_dhu), which do not read the chunk-start states: both sequential passes
+# are latency-bound with one program per (sequence, head, value block), 32-64 at (B, H) = (1, 16), so each leaves
+# most SMs idle. The backward joins the stream before the first kernel that reads the states. False: one stream.
+OVERLAP_RECOMPUTE = True
+_SIDE_STREAMS = {}
+
+
+class _Fork:
+    """A launch put on the device's second stream after everything queued so far, and joined back by ``join``. The
+    tensors the launch reads or writes are held until the join: one allocated here and dropped by the caller (the
+    recomputation's U) would otherwise go back to the caching allocator and be handed out on the first stream while the
+    second still reads it."""
+
+    def __init__(self, device):
+        if device not in _SIDE_STREAMS:
+            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        self.device, self.stream, self.held = device, _SIDE_STREAMS[device], None
+
+    def run(self, launch, tensors):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.held = tensors
+        with torch.cuda.stream(self.stream):
+            launch()
+
+    def join(self):
+        if self.held is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.held = None
+
+
+def _join(fork):
+    if fork is not None:
+        fork.join()
+
+
 def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta, per_col, win,
-               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None):
+               lam_coupled, shift, output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None,
+               fork=None):
     """(o, the final state, the tensors the backward reads). The backward's recomputation (chunk_falcon's
     default) passes what the forward kept (_recompute_split): ``outputs``, what only the output kernel makes and the
     backward reads (the kernel is skipped, o is None and these take their place among the saved tensors), and
-    ``gates``, the per-row gates and WY solves, which are not formed again."""
+    ``gates``, the per-row gates and WY solves, which are not formed again; with ``fork`` (a _Fork: the rules of this
+    file) the state pass runs on its stream, and the states are ready after ``fork.join()``."""
     if delta and win:
         # falcon3: the window's pairs as virtual rows of falcon1's WY form (chunk_win.py)
         from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
@@ -2254,9 +2292,15 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
     common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
-    _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-        k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, beta, rg, cu_seqlens, co, T,
-        DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
+    args = (k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, beta, rg, cu_seqlens, co)
+
+    def state_pass():
+        _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
+            *args, T, DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
+    if fork is not None:
+        fork.run(state_pass, args)
+    else:
+        state_pass()
     if outputs is not None:
         if per_col:
             return None, ht, (G, *outputs, rg, ht, h)
@@ -2318,7 +2362,9 @@ def _check_dht(dht, ht):
 
 
 def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
-               per_col, win, lam_coupled, shift, cu_seqlens, chunk_size):
+               per_col, win, lam_coupled, shift, cu_seqlens, chunk_size, fork=None):
+    """fork: the _Fork whose stream still computes the states h (a recomputing backward), joined by _state_grads
+    before the first kernel that reads them."""
     if delta and win:
         from fla_falcon.ops.falcon.chunk_win import chunk_bwd_falcon3
         return chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
@@ -2338,7 +2384,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     do = do.contiguous()
     if win:
         return _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
-                              eps_gamma, lam_coupled, win, cu_seqlens, m, common)
+                              eps_gamma, lam_coupled, win, cu_seqlens, m, common, fork)
     if per_col:
         G, o, o_lo, rg, ht, h = saved
         W = None
@@ -2348,7 +2394,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     # falcon2a: the decay gradient's end terms per chunk and column (from _bwd_dv_local_col; ht: the final state)
     end = torch.empty(h.shape[0], HV, V, **f32) if per_col else None
     du, dh, dh0 = _state_grads(q, k, last_k, count, None, G, W, h, do, dht, scale, cu_seqlens, m, common, delta,
-                               per_col, 0, ht=ht if per_col else None, end=end)
+                               per_col, 0, ht=ht if per_col else None, end=end, fork=fork)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
@@ -2391,10 +2437,12 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
 
 
 def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlens, m, common, delta, per_col, win,
-                 wm=None, dvb=None, band=0, ht=None, end=None):
+                 wm=None, dvb=None, band=0, ht=None, end=None, fork=None):
     """The backward's first two steps, shared by the rules of this file: dU from the outputs of the same chunk, then
     the state gradients over the chunks (falcon1: with the state path of dU). Returns (du, dh, dh0). falcon2a
-    (per_col): the other way round, and with the final state ht the decay gradient's end terms into end."""
+    (per_col): the other way round, and with the final state ht the decay gradient's end terms into end. Neither
+    _bwd_dv_local nor _bwd_dhu reads h: a recomputed state pass on fork's stream runs beside them, joined before
+    _bwd_dv_local_col, the first kernel that does."""
     B, T, HV, K, V, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -2415,6 +2463,7 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
         # falcon2a: the state gradients first (they do not need du), so that _bwd_dv_local_col adds du's state path
         # and the gates' kernel has no product to form (see _bwd_col_gates)
         state_gradients()
+        _join(fork)
         _bwd_dv_local_col[(triton.cdiv(V, BV), NT, B * HV)](
             q, k, last_k, count, G, h, ht, dh, end, do, du, scale, cu_seqlens, ci, co, T, STATE=True,
             HAS_FINAL=dht is not None, **common)
@@ -2428,6 +2477,7 @@ def _state_grads(q, k, last_k, count, tail_x, G, W, h, do, dht, scale, cu_seqlen
             q, k, last_k, count, tail_x, G, wm, do, du, dvb, scale, cu_seqlens, ci, co, T, WIN=win,
             BAND=band, **dict(common, BV=bv))
         state_gradients()
+        _join(fork)
     return du, dh, dh0
 
 
@@ -2441,7 +2491,7 @@ BAND_FORM = 'fold'
 
 
 def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
-                   lam_coupled, win, cu, m, common):
+                   lam_coupled, win, cu, m, common, fork=None):
     """falcon3a's backward: falcon1a's kernels on the delayed GLA rows with the band added (_bwd_dv_local: its value
     gradient; _bwd_dqx: dq, dx', dv', dG and the window weights' gradients), the last pairs' band and the final
     state's (_win_bwd_final), then the gates (_win_bwd_gates) and the pairs (_win_bwd_pairs)."""
@@ -2472,7 +2522,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
         _win_bwd_band[(NT, B * HV)](q, k, v, last_k, count, tail_x, tail_v, wm, do, dqb, dxb, dvb, dMb, scale, cu, ci,
                                     co, T, WIN=win, **dict(common, BV=min(BV, 32)))
     du, dh, dh0 = _state_grads(q, k, last_k, count, tail_x, G, None, h, do, dht, scale, cu, m, common, False, False,
-                               win, wm, dvb, band=band)
+                               win, wm, dvb, band=band, fork=fork)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     has_final = dht is not None and win > 1
     fx = fv = fm = None
@@ -2578,16 +2628,22 @@ class ChunkFalconFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, cu_seqlens, *saved = ctx.saved_tensors
         scale, eps, eps_gamma, delta, per_col, win, lam_coupled, shift, chunk_size = ctx.cfg
+        fork = None
         if ctx.recompute is not None:
             final, n_gates = ctx.recompute
+            # the state pass beside the backward's first kernels (OVERLAP_RECOMPUTE; falcon2 and falcon3 recompute in
+            # their own files, on one stream)
+            if OVERLAP_RECOMPUTE and q.is_cuda and not (delta and (per_col or win)):
+                fork = _Fork(q.device)
             saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta,
                                per_col, win, lam_coupled, shift, final, cu_seqlens, chunk_size,
-                               outputs=tuple(saved[n_gates:]), gates=tuple(saved[:n_gates]))[2]
+                               outputs=tuple(saved[n_gates:]), gates=tuple(saved[:n_gates]), fork=fork)[2]
         # autograd's cotangent may be an expanded view (e.g. the gradient of `S.sum()`): the kernel reads it dense
         dht = dht.contiguous() if dht is not None else None
         dq, dk, dv, dbeta, dlam, dh0, dlast_k, dtail_x, dtail_v = _chunk_bwd(
             q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma, delta,
-            per_col, win, lam_coupled, shift, cu_seqlens, chunk_size)
+            per_col, win, lam_coupled, shift, cu_seqlens, chunk_size, fork)
+        _join(fork)   # (joined already: every path reads the states)
         cast = lambda g, ref: None if g is None or ref is None else g.to(ref.dtype)  # noqa: E731
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbeta, beta), cast(dlam, lam), cast(dh0, S0),
                 cast(dlast_k, last_k), cast(dtail_x, tail_x), cast(dtail_v, tail_v),
