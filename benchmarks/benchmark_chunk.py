@@ -347,8 +347,8 @@ def render_report(meta, results, out) -> str:
     else:
         streams = meta.get('recompute_streams', 1)
         lines += ["Our ops recomputed the forward's intermediates in the backward (chunk_falcon's default), as fla's "
-                  "baselines do" + (", the state pass on a second CUDA stream beside the state gradients (falcon1, "
-                                    "falcon1a, falcon2a, falcon3a)." if streams == 2 else ", on one CUDA stream."), '']
+                  "baselines do" + (", the state pass on a second CUDA stream beside the state gradients (every "
+                                    "rule but falcon2)." if streams == 2 else ", on one CUDA stream."), '']
     if meta.get('fla_guard_640_lifted'):
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "

@@ -326,7 +326,7 @@ def test_recompute_matches_saved(rule, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('rule', [r for r in SUPPORTED_RULES if r not in ('falcon2', 'falcon3')])
+@pytest.mark.parametrize('rule', [r for r in SUPPORTED_RULES if r != 'falcon2'])
 def test_gpu_recompute_overlapped(rule, device, monkeypatch):
     """The recomputing backward's state pass runs on a second stream beside the state gradients (chunk.py's _Fork):
     the same bits as on one stream and as with the states kept, at a length where the two passes overlap for

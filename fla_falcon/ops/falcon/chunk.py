@@ -2232,13 +2232,13 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     """(o, the final state, the tensors the backward reads). The backward's recomputation (chunk_falcon's
     default) passes what the forward kept (_recompute_split): ``outputs``, what only the output kernel makes and the
     backward reads (the kernel is skipped, o is None and these take their place among the saved tensors), and
-    ``gates``, the per-row gates and WY solves, which are not formed again; with ``fork`` (a _Fork: the rules of this
-    file) the state pass runs on its stream, and the states are ready after ``fork.join()``."""
+    ``gates``, the per-row gates and WY solves, which are not formed again; with ``fork`` (a _Fork; not falcon2) the
+    state pass runs on its stream, and the states are ready after ``fork.join()``."""
     if delta and win:
         # falcon3: the window's pairs as virtual rows of falcon1's WY form (chunk_win.py)
         from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
         return chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma,
-                                 lam_coupled, shift, output_final_state, cu_seqlens, win, outputs, gates)
+                                 lam_coupled, shift, output_final_state, cu_seqlens, win, outputs, gates, fork)
     if delta and per_col:
         # falcon2: one triangular system per value column, in the sequential kernel (chunk_col.py)
         from fla_falcon.ops.falcon.chunk_col import chunk_fwd_falcon2
@@ -2368,7 +2368,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if delta and win:
         from fla_falcon.ops.falcon.chunk_win import chunk_bwd_falcon3
         return chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps,
-                                 eps_gamma, lam_coupled, shift, cu_seqlens, win)
+                                 eps_gamma, lam_coupled, shift, cu_seqlens, win, fork)
     if delta and per_col:
         from fla_falcon.ops.falcon.chunk_col import chunk_bwd_falcon2
         return chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma,
@@ -2631,9 +2631,9 @@ class ChunkFalconFunction(torch.autograd.Function):
         fork = None
         if ctx.recompute is not None:
             final, n_gates = ctx.recompute
-            # the state pass beside the backward's first kernels (OVERLAP_RECOMPUTE; falcon2 and falcon3 recompute in
-            # their own files, on one stream)
-            if OVERLAP_RECOMPUTE and q.is_cuda and not (delta and (per_col or win)):
+            # the state pass beside the backward's first kernels (OVERLAP_RECOMPUTE; not falcon2's, whose state
+            # gradients read the states)
+            if OVERLAP_RECOMPUTE and q.is_cuda and not (delta and per_col):
                 fork = _Fork(q.device)
             saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta,
                                per_col, win, lam_coupled, shift, final, cu_seqlens, chunk_size,

@@ -359,10 +359,10 @@ def _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps, eps_gam
 
 
 def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, lam_coupled,
-                      shift, output_final_state, cu_seqlens, window, outputs=None, gates=None):
+                      shift, output_final_state, cu_seqlens, window, outputs=None, gates=None, fork=None):
     """falcon3's chunk forward (window >= 2): (o, final S, saved tensors). The backward's recomputation passes
     ``outputs`` (``()``: no output kernel, o None) and ``gates``, the saved (E, Ue, G, c, A), which it does not form
-    again."""
+    again, and may pass ``fork`` (chunk.py's _Fork): the state pass on its stream."""
     if gates is None:
         m, WP, BS, row_kw, E, Ue, G, c, A = _win_gates_and_A(q, k, v, beta, lam, S0, last_k, tail_x, count, eps,
                                                              eps_gamma, lam_coupled, shift, cu_seqlens, window)
@@ -380,9 +380,15 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     h = torch.empty(m['NTH'], HV, K, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
     vn = torch.empty_like(U)
-    _fwd_h3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-        k, last_k, count, tail_x, G, Wt, U, h, S0, ht, vn, cu_seqlens, co, T,
-        STORE_FINAL_STATE=output_final_state, **row_kw)
+    args = (k, last_k, count, tail_x, G, Wt, U, h, S0, ht, vn, cu_seqlens, co)
+
+    def state_pass():
+        _fwd_h3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+            *args, T, STORE_FINAL_STATE=output_final_state, **row_kw)
+    if fork is not None:
+        fork.run(state_pass, args)
+    else:
+        state_pass()
     if outputs is not None:
         return None, ht, (E, Ue, G, c, A, Wt, vn, h)
     o = torch.empty_like(v)
@@ -693,8 +699,9 @@ def _bwd_pairs3(dXr, dYr, dk, dv, dlast_k, dtail_x, dtail_v, cu_seqlens, chunk_i
 
 
 def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do, dht, scale, eps, eps_gamma,
-                      lam_coupled, shift, cu_seqlens, window):
-    """falcon3's chunk backward: (dq, dk, dv, dbeta, dlam, dS0, dlast_k, dtail_x, dtail_v)."""
+                      lam_coupled, shift, cu_seqlens, window, fork=None):
+    """falcon3's chunk backward: (dq, dk, dv, dbeta, dlam, dS0, dlast_k, dtail_x, dtail_v). fork: the stream still
+    recomputing h (chunk.py's _Fork), joined before _bwd_dqx3: _bwd_dv_local3 and _bwd_dhu3 do not read h."""
     E, Ue, G, c, A, Wt, vn, h = saved
     m, WP, BS, row_kw = _win_meta(q, v, window, S0, cu_seqlens, shift)
     B, T, H, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
@@ -717,6 +724,8 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     _bwd_dhu3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, cu_seqlens, co, T, BSO=BSO,
         USE_FINAL_STATE_GRADIENT=dht is not None, **row_kw)
+    if fork is not None:
+        fork.join()
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
