@@ -2193,8 +2193,10 @@ def _meta(q, v, chunk_size, cu_seqlens):
 # The recomputing backward's state pass (_fwd_h again) on a second CUDA stream, beside the backward's first kernels
 # (_bwd_dv_local and the state gradients' _bwd_dhu), which do not read the chunk-start states: both sequential passes
 # are latency-bound with one program per (sequence, head, value block), 32-64 at (B, H) = (1, 16), so each leaves
-# most SMs idle. The backward joins the stream before the first kernel that reads the states. False: one stream.
-OVERLAP_RECOMPUTE = True
+# most SMs idle. The backward joins the stream before the first kernel that reads the states. Off (one stream) until
+# a GPU has timed it and run test_gpu_recompute_overlapped (written in the fifty-second session, whose lease returned
+# nothing). Every rule but falcon2, whose state gradients read the states (falcon3's _bwd_dv_local3 / _bwd_dhu3 do not).
+OVERLAP_RECOMPUTE = False
 _SIDE_STREAMS = {}
 
 
