@@ -26,12 +26,20 @@ for x in scripts/device_lease/extra*.sh; do
     (cd /tmp/b_$n && PYTHONPATH=/tmp/site:/tmp/b_$n PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 \
         setsid bash -c "bash $x; touch $L/${n}_done" > $L/$n.log 2>&1 < /dev/null &)
 done
+# everything the lease wrote (a fixed list of names once left out a probe's output: F3F, thirty-fifth lease), but
+# $L/out (copied at the end as it is) and files over 7 MiB, which would crowd the 16 MiB a returned file may have.
+# Packed every minute too: a call stopped at its limit returns what is under $OUT, and the fifty-second lease's
+# only call (its limit the 483 s of device time left, less than SECONDS plus the machine's setup) returned nothing
+pack() { (cd $L && find . -path ./out -prune -o -type f -size -8M ! -name '*.spec.json' -print \
+    | tar czf $OUT/results.tgz.part --ignore-failed-read -T - 2>/dev/null) \
+    && mv $OUT/results.tgz.part $OUT/results.tgz; }
 # an extra script still running (started, not done) keeps the call waiting after the chain's end
 extras_running() { for f in $L/extra*_started; do [ -f "$f" ] && [ ! -f "${f%_started}_done" ] && return 0; done; return 1; }
 end=$((SECONDS + S))
 while [ $SECONDS -lt $end ] && { ! grep -qE "^[0-9:]+ done$" <(tail -n 1 $L/stage 2>/dev/null) || extras_running; }; do
     # at most until SECONDS are up (a whole minute's sleep past them cost a lease's last call all its results)
     left=$((end - SECONDS)); sleep $((left < 60 ? left : 60))
+    pack
     echo "--- $(date +%T) $(ls $L/paper/runs 2>/dev/null | grep -vc spec) runs done;" \
          "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader); $(tail -n 1 $L/stage 2>/dev/null)"
 done
@@ -55,10 +63,8 @@ for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; d
 # for a shared-memory slot an asynchronous wgmma still reads when the pipeliner's next copy lands in it
 echo "=== hazards"; python3 scripts/wgmma_hazards.py $HOME/.triton/cache > $L/hazards.txt 2>&1
 grep -v "^    " $L/hazards.txt | tail -n 12
-# everything the lease wrote (a fixed list of names once left out a probe's output: F3F, thirty-fifth lease), but
-# $L/out (copied below as it is) and files over 7 MiB, which would crowd the 16 MiB a returned file may have
-cd $L && find . -path ./out -prune -o -type f -size -8M ! -name '*.spec.json' -print \
-    | tar czf $OUT/results.tgz --ignore-failed-read -T - 2>/dev/null
+pack
+cd $L
 # files a command left in $L/out (at most 6, each under 16 MiB: the device's limits on what comes back) come back
 # beside results.tgz, e.g. the parts of a launch recording (scripts/replay_launches.py, split -b 15M)
 for f in $L/out/*; do [ -f "$f" ] && cp "$f" $OUT/; done
