@@ -381,7 +381,8 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
                 output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None):
     """falcon2's chunk forward: (o, final S, saved tensors). The backward's recomputation passes ``outputs`` (the
     forward's (o, o_lo): no output kernel, o None, ``outputs`` in the saved tensors) and ``gates``, the saved
-    (M, G, rg), which it does not form again."""
+    (M, G, rg), which it does not form again; the decay factors F then come back last among the saved tensors, for
+    the backward's state gradients (so the backward forms them once)."""
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -412,9 +413,9 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         k, v, last_k, count, M, G, F, beta, rg, h, S0, ht, r, cu_seqlens, co, T, BS=BS,
         STORE_FINAL_STATE=output_final_state, **common_h)
-    del F
     if outputs is not None:
-        return None, ht, (M, G, r, h, *outputs, rg, ht)
+        return None, ht, (M, G, r, h, *outputs, rg, ht, F)
+    del F
     # falcon2a's output kernel forms u = eta v: fed the residual, it forms u = eta r (and writes the output's
     # rounding residual o_lo for the decay gradient)
     o, o_lo = _col_outputs(v)
@@ -426,7 +427,8 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
 
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
                 cu_seqlens, chunk_size):
-    M, G, r, h, o, o_lo, rg, ht = saved
+    # (F: the recomputation's decay factors, when it ran)
+    M, G, r, h, o, o_lo, rg, ht, *F = saved
     _check_dht(dht, ht)   # before any launch: _bwd_dhu_delta_col reads ht with dht
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BV', 'NT', 'N'))
@@ -444,7 +446,8 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dh = torch.empty_like(h)
     dh0 = torch.empty(N, HV, K, V, **f32) if use_init else None
     common_h = {key: val for key, val in common.items() if key != 'BV'}
-    F = _step_factors(G, m, cu_seqlens)   # as in the forward (recomputed: not kept beside G)
+    # as in the forward: from the backward's recomputation, or formed again (the forward does not keep them beside G)
+    F = F[0] if F else _step_factors(G, m, cu_seqlens)
     # the decay gradient's end terms per chunk, formed by the sequential kernel or else by _bwd_col_gates (its program
     # count from CONFIGS_COL_H's one config: the choice is needed before the launch)
     end = (torch.empty(m['NTH'], HV, V, **f32)
