@@ -2223,6 +2223,14 @@ class _Fork:
             self.held = None
 
 
+def _run(fork, launch, tensors):
+    """launch() on fork's stream (holding tensors until the join), or here without a fork."""
+    if fork is not None:
+        fork.run(launch, tensors)
+    else:
+        launch()
+
+
 def _join(fork):
     if fork is not None:
         fork.join()
@@ -2296,13 +2304,8 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     common_h['BK'] = BKh = _state_key_block(BK, N * HV, V, delta)
     args = (k, v, last_k, count, tail_x, tail_v, G, eta_gla, W, U, h, S0, ht, vn, wm, beta, rg, cu_seqlens, co)
 
-    def state_pass():
-        _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
-            *args, T, DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h)
-    if fork is not None:
-        fork.run(state_pass, args)
-    else:
-        state_pass()
+    _run(fork, lambda: _fwd_h[lambda meta: (triton.cdiv(V, meta['BV']), triton.cdiv(K, BKh), N * HV)](
+        *args, T, DELTA=delta, PER_COL=per_col, WIN=win, STORE_FINAL_STATE=output_final_state, **common_h), args)
     if outputs is not None:
         if per_col:
             return None, ht, (G, *outputs, rg, ht, h)

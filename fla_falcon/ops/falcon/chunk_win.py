@@ -39,12 +39,14 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS_8W,
     CONFIGS_H,
     CONFIGS_H2,
+    _join,
     _load_win_v,
     _load_win_x,
     _meta,
     _gates_bwd,
     _prep_fwd,
     _reduce_groups,
+    _run,
     _seq_info,
     _seq_span,
     _store_dk,
@@ -382,13 +384,8 @@ def chunk_fwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sca
     vn = torch.empty_like(U)
     args = (k, last_k, count, tail_x, G, Wt, U, h, S0, ht, vn, cu_seqlens, co)
 
-    def state_pass():
-        _fwd_h3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
-            *args, T, STORE_FINAL_STATE=output_final_state, **row_kw)
-    if fork is not None:
-        fork.run(state_pass, args)
-    else:
-        state_pass()
+    _run(fork, lambda: _fwd_h3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+        *args, T, STORE_FINAL_STATE=output_final_state, **row_kw), args)
     if outputs is not None:
         return None, ht, (E, Ue, G, c, A, Wt, vn, h)
     o = torch.empty_like(v)
@@ -724,8 +721,7 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
     _bwd_dhu3[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         q, k, last_k, count, tail_x, G, Wt, do, du, dh, dht, dh0, scale, cu_seqlens, co, T, BSO=BSO,
         USE_FINAL_STATE_GRADIENT=dht is not None, **row_kw)
-    if fork is not None:
-        fork.join()
+    _join(fork)
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
