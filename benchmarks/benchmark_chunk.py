@@ -234,9 +234,10 @@ def main(argv=None):
     parser.add_argument('--disable-recompute', action='store_true',
                         help="run our ops with disable_recompute=True: the forward's intermediates kept for the "
                              "backward instead of recomputed there (recomputing is chunk_falcon's default, as fla's)")
-    parser.add_argument('--overlap', action='store_true',
-                        help="set chunk.py's OVERLAP_RECOMPUTE: the recomputed state pass on a second CUDA stream, "
-                             "beside the state gradients (off by default until timed)")
+    parser.add_argument('--overlap', choices=('auto', 'on', 'off'), default='auto',
+                        help="chunk.py's OVERLAP_RECOMPUTE: the recomputed state pass on a second CUDA stream beside "
+                             "the state gradients always (on), never (off), or where the state pass has few programs "
+                             "(auto, the default: falcon1 / falcon3 at few sequences)")
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')
@@ -258,9 +259,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit('benchmark_chunk.py needs a CUDA GPU (the Triton kernels are timed on the device); none found.')
     lifted = lift_fla_guard()
-    if args.overlap:
-        from fla_falcon.ops.falcon import chunk as chunk_mod
-        chunk_mod.OVERLAP_RECOMPUTE = True
+    from fla_falcon.ops.falcon import chunk as chunk_mod
+    chunk_mod.OVERLAP_RECOMPUTE = {'auto': 'auto', 'on': True, 'off': False}[args.overlap]
     os.makedirs(args.out, exist_ok=True)
     results = []
     for spec in args.shapes:
@@ -325,7 +325,7 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
             'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done,
             'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed',
-            'recompute_streams': 2 if getattr(args, 'overlap', False) else 1}
+            'recompute_streams': {'on': 2, 'off': 1}.get(getattr(args, 'overlap', 'auto'), 'auto')}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     return render_report(meta, results, args.out)
@@ -345,10 +345,14 @@ def render_report(meta, results, out) -> str:
         lines += ["Our ops kept the forward's intermediates (gates, WY factors, chunk-start states) for the backward "
                   "(`disable_recompute=True`); fla's baselines recompute theirs in the backward.", '']
     else:
-        streams = meta.get('recompute_streams', 1)
+        # (runs before the 'auto' default record 1 or 2)
+        streams = {1: ", on one CUDA stream.",
+                   2: ", the state pass on a second CUDA stream beside the state gradients (every rule but falcon2).",
+                   'auto': ", the state pass on a second CUDA stream beside the state gradients where it has fewer "
+                           "than 128 programs (chunk.py's OVERLAP_RECOMPUTE = 'auto': falcon1 and falcon3 at few "
+                           "sequences), else on one."}[meta.get('recompute_streams', 1)]
         lines += ["Our ops recomputed the forward's intermediates in the backward (chunk_falcon's default), as fla's "
-                  "baselines do" + (", the state pass on a second CUDA stream beside the state gradients (every "
-                                    "rule but falcon2)." if streams == 2 else ", on one CUDA stream."), '']
+                  "baselines do" + streams, '']
     if meta.get('fla_guard_640_lifted'):
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "

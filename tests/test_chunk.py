@@ -353,6 +353,29 @@ def test_gpu_recompute_overlapped(rule, device, monkeypatch):
         assert not differ, f"{rule}: overlapped recomputation against {mode}: {differ}"
 
 
+def test_overlap_recompute_decision(monkeypatch):
+    """Which recomputing backwards fork their state pass: under 'auto' the delta rules (falcon1, falcon3: no key
+    split) at few sequence-heads, where the fifty-third lease (H100) timed falcon1 / falcon3 15% / 13% faster forked at
+    (1, 16384, 16), and not the rules without a delta term, whose key split fills the SMs (10-13% slower forked);
+    never falcon2 (its state gradients read the states) nor off CUDA."""
+    from fla_falcon.ops.falcon import chunk as chunk_mod
+    decide = chunk_mod._overlap_recompute
+    cuda, cpu = torch.device('cuda', 0), torch.device('cpu')
+    monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', 'auto')
+    assert decide(cuda, True, False, 128, 128, 16)          # falcon1 / falcon3 at (B, H) = (1, 16): 32 programs
+    assert not decide(cuda, True, False, 128, 128, 64)      # (4, 16): 128
+    assert not decide(cuda, False, False, 128, 128, 16)     # falcon1a / falcon3a: K split to 128 programs
+    assert not decide(cuda, False, True, 128, 128, 16)      # falcon2a likewise
+    assert decide(cuda, False, False, 128, 128, 4)          # ... unless even 32-wide key blocks leave too few
+    assert not decide(cuda, True, True, 128, 128, 16)       # falcon2
+    assert not decide(cpu, True, False, 128, 128, 16)
+    monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', True)
+    assert decide(cuda, False, False, 128, 128, 64) and not decide(cuda, True, True, 128, 128, 1)
+    assert not decide(cpu, False, False, 128, 128, 1)
+    monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', False)
+    assert not decide(cuda, True, False, 128, 128, 1)
+
+
 def test_unsupported_and_bad_args(device):
     q, k, v, beta, lam, _ = make_inputs('falcon1', 1, 8, 1, 1, 16, 16, 'on', False, device)
     for rule in ('falcon2', 'falcon2a', 'falcon3a'):

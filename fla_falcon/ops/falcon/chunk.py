@@ -2192,11 +2192,16 @@ def _meta(q, v, chunk_size, cu_seqlens):
 
 # The recomputing backward's state pass (_fwd_h again) on a second CUDA stream, beside the backward's first kernels
 # (_bwd_dv_local and the state gradients' _bwd_dhu), which do not read the chunk-start states: both sequential passes
-# are latency-bound with one program per (sequence, head, value block), 32-64 at (B, H) = (1, 16), so each leaves
-# most SMs idle. The backward joins the stream before the first kernel that reads the states. Off (one stream) until
-# a GPU has timed it and run test_gpu_recompute_overlapped (written in the fifty-second session, whose lease returned
-# nothing). Every rule but falcon2, whose state gradients read the states (falcon3's _bwd_dv_local3 / _bwd_dhu3 do not).
-OVERLAP_RECOMPUTE = False
+# are latency-bound with one program per (sequence, head, key block, value block). The backward joins the stream
+# before the first kernel that reads the states. Every rule but falcon2, whose state gradients read the states
+# (falcon3's _bwd_dv_local3 / _bwd_dhu3 do not). 'auto' (the default) forks when a state pass has fewer than
+# STATE_PROGRAMS programs, which leaves SMs to the other: the delta rules (falcon1, falcon3: their passes cannot split
+# the key dimension) at few sequences. H100, fifty-third lease, CUDA graph, fwd+bwd ms on one stream / forked: at
+# (1, 16384, 16, 128, 128) falcon1 2.850 / 2.426, falcon3 10.824 / 9.387 (32 programs); at (4, 4096) (128 programs)
+# 1.809 / 1.812 and 7.231 / 7.316. The rules without a delta term split K to 128 programs there, and forked they lost
+# 10-13% (falcon1a 1.791 / 2.025, falcon2a 2.800 / 3.081, falcon3a 2.196 / 2.416): two passes that each fill the SMs
+# only slow each other. True / False: always / never (benchmark_chunk.py --overlap).
+OVERLAP_RECOMPUTE = 'auto'
 _SIDE_STREAMS = {}
 
 
@@ -2221,6 +2226,18 @@ class _Fork:
         if self.held is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             self.held = None
+
+
+def _overlap_recompute(device, delta, per_col, K, V, NHV):
+    """Whether the recomputing backward forks its state pass (OVERLAP_RECOMPUTE): on a CUDA device, not falcon2, and
+    under 'auto' when the pass's programs (NHV sequence-heads, 64-wide value blocks, _state_key_block's key blocks)
+    are fewer than STATE_PROGRAMS."""
+    if device.type != 'cuda' or (delta and per_col):
+        return False
+    if OVERLAP_RECOMPUTE != 'auto':
+        return bool(OVERLAP_RECOMPUTE)
+    BK = max(triton.next_power_of_2(K), MIN_BLOCK)
+    return NHV * triton.cdiv(V, 64) * (BK // _state_key_block(BK, NHV, V, delta)) < STATE_PROGRAMS
 
 
 def _run(fork, launch, tensors):
@@ -2638,7 +2655,8 @@ class ChunkFalconFunction(torch.autograd.Function):
             final, n_gates = ctx.recompute
             # the state pass beside the backward's first kernels (OVERLAP_RECOMPUTE; not falcon2's, whose state
             # gradients read the states)
-            if OVERLAP_RECOMPUTE and q.is_cuda and not (delta and per_col):
+            N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+            if _overlap_recompute(q.device, delta, per_col, q.shape[-1], v.shape[-1], N * v.shape[2]):
                 fork = _Fork(q.device)
             saved = _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps, eps_gamma, delta,
                                per_col, win, lam_coupled, shift, final, cu_seqlens, chunk_size,
