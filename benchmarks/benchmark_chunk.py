@@ -238,6 +238,10 @@ def main(argv=None):
                         help="chunk.py's OVERLAP_RECOMPUTE: the recomputed state pass on a second CUDA stream beside "
                              "the state gradients always (on), never (off), or where the state pass has few programs "
                              "(auto, the default: falcon1 / falcon3 at few sequences)")
+    parser.add_argument('--state-programs', type=int, default=None, metavar='N',
+                        help="set chunk.py's STATE_PROGRAMS (default 128): the rules without a delta term split the "
+                             "key dimension of their sequential state kernels down to 32-wide blocks while they have "
+                             "fewer programs than N, and --overlap auto forks the recomputed state pass below N")
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')
@@ -246,6 +250,8 @@ def main(argv=None):
     parser.add_argument('--report-only', action='store_true',
                         help='only rewrite chunk.md and chunk.png from the chunk.json in --out (no GPU needed)')
     args = parser.parse_args(argv)
+    if args.state_programs is not None and args.state_programs < 1:
+        parser.error('--state-programs must be at least 1')
     if args.plot_only or args.report_only:
         with open(os.path.join(args.out, 'chunk.json')) as f:
             data = json.load(f)
@@ -261,6 +267,8 @@ def main(argv=None):
     lifted = lift_fla_guard()
     from fla_falcon.ops.falcon import chunk as chunk_mod
     chunk_mod.OVERLAP_RECOMPUTE = {'auto': 'auto', 'on': True, 'off': False}[args.overlap]
+    if args.state_programs is not None:
+        chunk_mod.STATE_PROGRAMS = args.state_programs
     os.makedirs(args.out, exist_ok=True)
     results = []
     for spec in args.shapes:
@@ -325,7 +333,8 @@ def write_report(args, results, lifted: bool, done: bool) -> str:
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
             'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done,
             'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed',
-            'recompute_streams': {'on': 2, 'off': 1}.get(getattr(args, 'overlap', 'auto'), 'auto')}
+            'recompute_streams': {'on': 2, 'off': 1}.get(getattr(args, 'overlap', 'auto'), 'auto'),
+            'state_programs': __import__('fla_falcon.ops.falcon.chunk', fromlist=['_']).STATE_PROGRAMS}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     return render_report(meta, results, args.out)
@@ -353,6 +362,9 @@ def render_report(meta, results, out) -> str:
                            "sequences), else on one."}[meta.get('recompute_streams', 1)]
         lines += ["Our ops recomputed the forward's intermediates in the backward (chunk_falcon's default), as fla's "
                   "baselines do" + streams, '']
+    if meta.get('state_programs', 128) != 128:
+        lines += [f"chunk.py's STATE_PROGRAMS was {meta['state_programs']} (default 128): the key split of the "
+                  "state kernels and the second stream's threshold.", '']
     if meta.get('fla_guard_640_lifted'):
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "

@@ -73,6 +73,20 @@ def test_report_shows_memory_and_which_intermediates_were_kept(tmp_path):
     assert 'kept the forward' in md and '| - | 933 |' in md.split('| falcon1 |')[1].split('\n')[0]
 
 
+def test_report_says_how_the_state_pass_was_recomputed(tmp_path):
+    # one stream, two (benchmark_chunk.py --overlap on), the 'auto' default; a STATE_PROGRAMS other than 128 noted
+    data = json.loads((ROOT / 'benchmarks' / 'results' / 'chunk.json').read_text())
+    data['meta']['falcon_intermediates'] = 'recomputed'
+    for streams, says in ((1, 'on one CUDA stream.'), (2, 'second CUDA stream beside the state gradients (every'),
+                          ('auto', "OVERLAP_RECOMPUTE = 'auto'")):
+        data['meta'].update(recompute_streams=streams, state_programs=128 if streams != 'auto' else 64)
+        (tmp_path / 'chunk.json').write_text(json.dumps(data))
+        bc.main(['--report-only', '--out', str(tmp_path)])
+        md = (tmp_path / 'chunk.md').read_text()
+        assert says in md, streams
+        assert ("STATE_PROGRAMS was 64" in md) == (streams == 'auto')
+
+
 def test_sweep_configs_compares_each_config_with_the_first(tmp_path):
     # on the CPU (interpreter) the launch configs give the same results, and a config that changes the kernel's
     # math (SHIFT=0: the same-step key) must show up as a difference

@@ -56,6 +56,7 @@ echo "=== bench"; tail -n 20 $L/bench.log 2>/dev/null
 echo "=== precmd"; tail -n 25 $L/precmd.log 2>/dev/null
 echo "=== sidecmd"; tail -n 15 $L/sidecmd.log 2>/dev/null
 echo "=== sweep"; cat $L/sweep*/*.md 2>/dev/null
+for f in $L/sp*/chunk.md; do [ -f "$f" ] && { echo "=== $f"; grep -E "^\| (chunk|fal)" "$f" | tail -n 8; }; done
 echo "=== full"; grep -E "^## |^\| (fal|chunk)" $L/full/chunk.md 2>/dev/null | head -n 40
 echo "=== alt"; grep -E "^## |^\| (_|chunk|fal)" $L/alt/chunk.md $L/alt/chunk_profile.md 2>/dev/null | head -n 60
 for f in $L/extra*.log; do [ -f "$f" ] && { echo "=== $f"; tail -n 15 "$f"; }; done
