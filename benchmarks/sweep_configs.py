@@ -126,7 +126,12 @@ def sweep(op: str, kernel_name: str, shape, configs, window: int = 4, time: bool
         raise SystemExit(f"--op {op!r}: choose from {sorted(cases)}")
     step = bc._fwd_bwd(cases[op])
     step()   # compile and autotune everything once
-    seen = capture(kernel, step)
+    return run_configs(kernel, capture(kernel, step), configs, time=time, skip=skip)
+
+
+def run_configs(kernel: Autotuner, seen: dict, configs, time: bool = True, skip=()):
+    """The captured launch ``seen`` (capture) under each config: rows of the max relative difference of its outputs
+    from the first config's and (time) ms. skip: argument positions left out of the comparison."""
     rows, ref = [], None
     for cfg in configs:
         cfg = full_config(seen, cfg)

@@ -353,6 +353,29 @@ def test_gpu_recompute_overlapped(rule, device, monkeypatch):
         assert not differ, f"{rule}: overlapped recomputation against {mode}: {differ}"
 
 
+@pytest.mark.parametrize('rule', ['falcon1', 'falcon1a', 'falcon2a'])
+def test_fwd_h_variants_are_the_same_state_pass(rule, device):
+    """_fwd_h's sweep variants (benchmarks/sweep_configs.py: DOT_ACC, the decayed state as the product's accumulator;
+    KT, the keys loaded as [BK, BT]) give the default form's states, final state and (falcon1) corrected values, varlen,
+    with an initial state whose last key is the first row's (the shifted key's only special case) in some sequences."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))
+    import sweep_configs as sc
+    cu = torch.tensor([0, 1, 70, 130], device=device)
+    q, k, v, beta, lam, st = make_inputs(rule, 1, 130, 2, 1, 32, 32, 'on', True, device, cu_seqlens=cu)
+    assert bool((st.count > 0).any()) and bool((st.count == 0).any())   # both cases of the first row
+    kernel = sc.find_kernel('_fwd_h')
+    seen = sc.capture(kernel, lambda: chunk_falcon(q, k, v, beta, lam, rule=rule, initial_state=st,
+                                                   output_final_state=True, cu_seqlens=cu))
+    rows = sc.run_configs(kernel, seen, [{}, dict(DOT_ACC=1), dict(KT=1), dict(KT=1, DOT_ACC=1)], time=False)
+    tol = 1e-5 if device == 'cpu' else 1e-2   # (a GPU may order the fp32 sums otherwise: a bf16 state's last bit)
+    assert rows[0]['outputs'] >= 2 and all(r['outputs'] == rows[0]['outputs'] for r in rows), rows
+    assert all(r['max_rel_diff'] < tol for r in rows), rows
+    # the comparison can fail: the same-step key (SHIFT = 0) is another state pass
+    assert sc.run_configs(kernel, seen, [dict(KT=1), dict(KT=1, SHIFT=0)], time=False)[1]['max_rel_diff'] > 1e-2
+
+
 def test_overlap_recompute_decision(monkeypatch):
     """Which recomputing backwards fork their state pass: under 'auto' the delta rules (falcon1, falcon3: no key
     split) at few sequence-heads, where the fifty-third lease (H100) timed falcon1 / falcon3 15% / 13% faster forked at

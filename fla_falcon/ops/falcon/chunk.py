@@ -171,6 +171,34 @@ def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr
 
 
 @triton.jit
+def _load_x_cols_t(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr, K: tl.constexpr,
+                   SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
+    """_load_x_cols transposed, [len(o_k), len(o_t)], loaded so (as fla's chunk_fwd_kernel_h loads its keys) rather
+    than transposed after the load: _fwd_h's KT variant, for benchmarks/sweep_configs.py."""
+    m_k = o_k < K
+    r = o_t - SHIFT
+    m_r = m_t & (r >= 0)
+    b_xt = tl.load(k + ((bos + r) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_r[None, :], other=0)
+    if SHIFT:
+        if USE_INITIAL_STATE:
+            has_prev = tl.load(count + i_n + o_t * 0) > 0
+            b_l = tl.load(last_k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(b_xt.dtype)
+            first = (o_t == 0) & has_prev & m_t
+            b_xt = tl.where(first[None, :], b_l[:, None], b_xt)
+    return b_xt
+
+
+@triton.jit
+def _keys_t(b_x, LOADED_T: tl.constexpr):
+    """The key tile as [BK, BT]: b_x itself if _load_x_cols_t loaded it so, else transposed (here, at the product,
+    where the default form has always transposed it: the compiled kernel does not change)."""
+    if LOADED_T:
+        return b_x
+    else:
+        return tl.trans(b_x)
+
+
+@triton.jit
 def _stats(b_x, lam, bos, o_t, valid, i_hv, HV: tl.constexpr, eps, HAS_LAM: tl.constexpr,
            LAM_COUPLED: tl.constexpr):
     """Per-row energy E = ||x||^2, ridge lam' (lam, or lam * E with E a statistic) and E + lam' + eps."""
@@ -732,7 +760,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-           DOT_ACC: tl.constexpr = False):
+           DOT_ACC: tl.constexpr = False, KT: tl.constexpr = False):
     """Forward over chunks: h[c] = the state at the start of chunk c, [BK, BV] per program. The rules without a delta
     term may split the key dimension (BK < K, one block per program axis 1): their state's key rows evolve
     independently; falcon1's delta term W S needs all of them (BK covers K). falcon3a: the delayed GLA rows (eta
@@ -754,8 +782,11 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         last = min(i_t * BT + BT, T) - 1
-        b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
-                                 USE_INITIAL_STATE)
+        if KT and WIN == 0:   # (a variant for benchmarks/sweep_configs.py: the keys loaded as [BK, BT])
+            b_x = _load_x_cols_t(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
+        else:
+            b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                                     USE_INITIAL_STATE)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         if PER_COL:
@@ -766,9 +797,9 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta
             b_u = (b_u * tl.exp(b_Gl[None, :] - b_G)).to(k.dtype.element_ty)
             if DOT_ACC:   # (a variant for benchmarks/sweep_configs.py: the decayed state as the product's accumulator)
-                b_h = tl.dot(tl.trans(b_x), b_u, acc=b_h * tl.exp(b_Gl)[None, :])
+                b_h = tl.dot(_keys_t(b_x, KT and WIN == 0), b_u, acc=b_h * tl.exp(b_Gl)[None, :])
             else:
-                b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_x), b_u)
+                b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(_keys_t(b_x, KT and WIN == 0), b_u)
         else:
             b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
             b_Gl = tl.load(G + (bos + last) * HV + i_hv)
@@ -784,9 +815,9 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
                 b_u = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
                                   USE_INITIAL_STATE) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
             if DOT_ACC:
-                b_h = tl.dot(tl.trans(b_x), b_u.to(k.dtype.element_ty), acc=b_h * tl.exp(b_Gl))
+                b_h = tl.dot(_keys_t(b_x, KT and WIN == 0), b_u.to(k.dtype.element_ty), acc=b_h * tl.exp(b_Gl))
             else:
-                b_h = b_h * tl.exp(b_Gl) + tl.dot(tl.trans(b_x), b_u.to(k.dtype.element_ty))
+                b_h = b_h * tl.exp(b_Gl) + tl.dot(_keys_t(b_x, KT and WIN == 0), b_u.to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         if WIN > 1:
             # falcon3a: the full state adds the pairs p = T-1-d (d < W - 1) whose window has not ended, Mb[T-1, d]
