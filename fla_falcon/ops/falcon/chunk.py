@@ -149,13 +149,18 @@ def _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H: tl.constexpr, K: tl.co
 
 @triton.jit
 def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr, K: tl.constexpr,
-                 SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """_load_x for the key columns o_k only (the sequential state kernels' key blocks)."""
+                 SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, TRANS: tl.constexpr = False):
+    """_load_x for the key columns o_k only (the sequential state kernels' key blocks). TRANS: loaded as
+    [len(o_k), len(o_t)] (as fla's chunk_fwd_kernel_h loads its keys; _fwd_h's KT variant)."""
     m_k = o_k < K
     r = o_t - SHIFT
     m_r = m_t & (r >= 0)
-    b_x = tl.load(k + ((bos + r) * H + i_h)[:, None] * K + o_k[None, :],
-                  mask=m_r[:, None] & m_k[None, :], other=0)
+    if TRANS:
+        b_x = tl.load(k + ((bos + r) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_r[None, :],
+                      other=0)
+    else:
+        b_x = tl.load(k + ((bos + r) * H + i_h)[:, None] * K + o_k[None, :],
+                      mask=m_r[:, None] & m_k[None, :], other=0)
     valid = m_t
     if SHIFT:
         if USE_INITIAL_STATE:
@@ -163,7 +168,10 @@ def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr
             has_prev = tl.load(count + i_n + o_t * 0) > 0
             b_l = tl.load(last_k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(b_x.dtype)
             first = (o_t == 0) & has_prev & m_t
-            b_x = tl.where(first[:, None], b_l[None, :], b_x)
+            if TRANS:
+                b_x = tl.where(first[None, :], b_l[:, None], b_x)
+            else:
+                b_x = tl.where(first[:, None], b_l[None, :], b_x)
             valid = m_t & ((o_t > 0) | has_prev)
         else:
             valid = m_t & (o_t > 0)
@@ -171,26 +179,8 @@ def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr
 
 
 @triton.jit
-def _load_x_cols_t(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr, K: tl.constexpr,
-                   SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr):
-    """_load_x_cols transposed, [len(o_k), len(o_t)], loaded so (as fla's chunk_fwd_kernel_h loads its keys) rather
-    than transposed after the load: _fwd_h's KT variant, for benchmarks/sweep_configs.py."""
-    m_k = o_k < K
-    r = o_t - SHIFT
-    m_r = m_t & (r >= 0)
-    b_xt = tl.load(k + ((bos + r) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_r[None, :], other=0)
-    if SHIFT:
-        if USE_INITIAL_STATE:
-            has_prev = tl.load(count + i_n + o_t * 0) > 0
-            b_l = tl.load(last_k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(b_xt.dtype)
-            first = (o_t == 0) & has_prev & m_t
-            b_xt = tl.where(first[None, :], b_l[:, None], b_xt)
-    return b_xt
-
-
-@triton.jit
 def _keys_t(b_x, LOADED_T: tl.constexpr):
-    """The key tile as [BK, BT]: b_x itself if _load_x_cols_t loaded it so, else transposed (here, at the product,
+    """The key tile as [BK, BT]: b_x itself if _load_x_cols loaded it so (TRANS), else transposed (here, at the product,
     where the default form has always transposed it: the compiled kernel does not change)."""
     if LOADED_T:
         return b_x
@@ -766,6 +756,8 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
     independently; falcon1's delta term W S needs all of them (BK covers K). falcon3a: the delayed GLA rows (eta
     holds mt), and the band's pairs added to the final state. falcon2a (PER_COL): eta = beta / den formed from beta
     and the row gates rg, not read."""
+    # (sweep variants, off by default: KT, the keys loaded as [BK, BT], not falcon3a's window rows)
+    KEYS_T: tl.constexpr = KT and WIN == 0
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -782,8 +774,9 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         last = min(i_t * BT + BT, T) - 1
-        if KT and WIN == 0:   # (a variant for benchmarks/sweep_configs.py: the keys loaded as [BK, BT])
-            b_x = _load_x_cols_t(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE)
+        if KEYS_T:
+            b_x, valid = _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H, K, SHIFT, USE_INITIAL_STATE,
+                                      TRANS=True)
         else:
             b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
                                      USE_INITIAL_STATE)
@@ -797,9 +790,9 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta
             b_u = (b_u * tl.exp(b_Gl[None, :] - b_G)).to(k.dtype.element_ty)
             if DOT_ACC:   # (a variant for benchmarks/sweep_configs.py: the decayed state as the product's accumulator)
-                b_h = tl.dot(_keys_t(b_x, KT and WIN == 0), b_u, acc=b_h * tl.exp(b_Gl)[None, :])
+                b_h = tl.dot(_keys_t(b_x, KEYS_T), b_u, acc=b_h * tl.exp(b_Gl)[None, :])
             else:
-                b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(_keys_t(b_x, KT and WIN == 0), b_u)
+                b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(_keys_t(b_x, KEYS_T), b_u)
         else:
             b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
             b_Gl = tl.load(G + (bos + last) * HV + i_hv)
@@ -815,9 +808,9 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
                 b_u = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
                                   USE_INITIAL_STATE) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
             if DOT_ACC:
-                b_h = tl.dot(_keys_t(b_x, KT and WIN == 0), b_u.to(k.dtype.element_ty), acc=b_h * tl.exp(b_Gl))
+                b_h = tl.dot(_keys_t(b_x, KEYS_T), b_u.to(k.dtype.element_ty), acc=b_h * tl.exp(b_Gl))
             else:
-                b_h = b_h * tl.exp(b_Gl) + tl.dot(_keys_t(b_x, KT and WIN == 0), b_u.to(k.dtype.element_ty))
+                b_h = b_h * tl.exp(b_Gl) + tl.dot(_keys_t(b_x, KEYS_T), b_u.to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         if WIN > 1:
             # falcon3a: the full state adds the pairs p = T-1-d (d < W - 1) whose window has not ended, Mb[T-1, d]
