@@ -329,12 +329,13 @@ def main(argv=None):
 
 def write_report(args, results, lifted: bool, done: bool) -> str:
     """chunk.json and chunk.md from the rows measured so far."""
+    from fla_falcon.ops.falcon import chunk as chunk_mod
     meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
             'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done,
             'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed',
             'recompute_streams': {'on': 2, 'off': 1}.get(getattr(args, 'overlap', 'auto'), 'auto'),
-            'state_programs': __import__('fla_falcon.ops.falcon.chunk', fromlist=['_']).STATE_PROGRAMS}
+            'state_programs': chunk_mod.STATE_PROGRAMS}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     return render_report(meta, results, args.out)
