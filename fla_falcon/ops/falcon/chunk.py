@@ -2203,6 +2203,11 @@ def _state_key_block(BK, NHV, V, delta):
 MIN_BLOCK = 64
 
 
+def _key_block(K):
+    """The key block of the chunk kernels: all of K, at least MIN_BLOCK wide."""
+    return max(triton.next_power_of_2(K), MIN_BLOCK)
+
+
 def _meta(q, v, chunk_size, cu_seqlens):
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -2215,7 +2220,7 @@ def _meta(q, v, chunk_size, cu_seqlens):
         chunk_indices = chunk_offsets = None
         NT, N = triton.cdiv(T, BT), B
         NTH = B * NT
-    BK = max(triton.next_power_of_2(K), MIN_BLOCK)
+    BK = _key_block(K)
     BV = MIN_BLOCK   # value blocks: 64 wide at every V (the kernels loop over them)
     return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NT=NT, N=N, NTH=NTH,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
@@ -2267,7 +2272,7 @@ def _overlap_recompute(device, delta, per_col, K, V, NHV):
         return False
     if OVERLAP_RECOMPUTE != 'auto':
         return bool(OVERLAP_RECOMPUTE)
-    BK = max(triton.next_power_of_2(K), MIN_BLOCK)
+    BK = _key_block(K)
     return NHV * triton.cdiv(V, 64) * (BK // _state_key_block(BK, NHV, V, delta)) < STATE_PROGRAMS
 
 
