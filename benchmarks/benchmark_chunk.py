@@ -39,6 +39,8 @@ import fla_falcon.ops.falcon.chunk as _chunk
 from fla_falcon.ops.falcon.chunk import SUPPORTED_RULES, chunk_falcon
 from fla_falcon.ops.falcon.fused_recurrent import fused_recurrent_falcon
 
+DEFAULT_STATE_PROGRAMS = _chunk.STATE_PROGRAMS   # (before --state-programs sets it)
+
 TARGETS = {'falcon1': ('chunk_gated_delta_rule', 1.0), 'falcon2': ('chunk_gated_delta_rule', 1.5),
            'falcon3': ('chunk_gated_delta_rule', 2.0),
            'falcon1a': ('chunk_simple_gla', 1.0),
@@ -237,11 +239,12 @@ def main(argv=None):
     parser.add_argument('--overlap', choices=('auto', 'on', 'off'), default='auto',
                         help="chunk.py's OVERLAP_RECOMPUTE: the recomputed state pass on a second CUDA stream beside "
                              "the state gradients always (on), never (off), or where the state pass has few programs "
-                             "(auto, the default: falcon1 / falcon3 at few sequences)")
+                             "(auto, the default: falcon1, falcon2a and falcon3 at few sequences)")
     parser.add_argument('--state-programs', type=int, default=None, metavar='N',
-                        help="set chunk.py's STATE_PROGRAMS (default 128): the rules without a delta term split the "
-                             "key dimension of their sequential state kernels down to 32-wide blocks while they have "
-                             "fewer programs than N, and --overlap auto forks the recomputed state pass below N")
+                        help=f"set chunk.py's STATE_PROGRAMS (default {DEFAULT_STATE_PROGRAMS}): the rules without "
+                             "a delta term split the key dimension of their sequential state kernels down to 32-wide "
+                             "blocks while they have fewer programs than N, and --overlap auto forks falcon1a / "
+                             "falcon3a's recomputed state pass below N")
     parser.add_argument('--watchdog', type=float, default=0, metavar='S',
                         help='print every thread\'s Python stack to stderr every S seconds (0: off), to see where a '
                              'long first call (compilation, autotuning) spends its time')
@@ -358,14 +361,15 @@ def render_report(meta, results, out) -> str:
         # (runs before the 'auto' default record 1 or 2)
         streams = {1: ", on one CUDA stream.",
                    2: ", the state pass on a second CUDA stream beside the state gradients (every rule but falcon2).",
-                   'auto': ", the state pass on a second CUDA stream beside the state gradients where it has fewer "
-                           "than 128 programs (chunk.py's OVERLAP_RECOMPUTE = 'auto': falcon1 and falcon3 at few "
-                           "sequences), else on one."}[meta.get('recompute_streams', 1)]
+                   'auto': ", the state pass on a second CUDA stream beside the state gradients where it has few "
+                           "programs (chunk.py's OVERLAP_RECOMPUTE = 'auto': some rules at few sequences), else on "
+                           "one."}[meta.get('recompute_streams', 1)]
         lines += ["Our ops recomputed the forward's intermediates in the backward (chunk_falcon's default), as fla's "
                   "baselines do" + streams, '']
-    if meta.get('state_programs', 128) != 128:
-        lines += [f"chunk.py's STATE_PROGRAMS was {meta['state_programs']} (default 128): the key split of the "
-                  "state kernels and the second stream's threshold.", '']
+    # (runs before the fifty-fourth session's had 128, and did not record it)
+    if meta.get('state_programs', 128) != DEFAULT_STATE_PROGRAMS:
+        lines += [f"chunk.py's STATE_PROGRAMS was {meta.get('state_programs', 128)} (default {DEFAULT_STATE_PROGRAMS}): "
+                  "the key split of the state kernels and the second stream's threshold.", '']
     if meta.get('fla_guard_640_lifted'):
         lines += ["fla's #640 guard (gated chunk backward refused on Hopper with Triton 3.4-3.7) was lifted in "
                   "this process to time chunk_gated_delta_rule / chunk_simple_gla backward; their gradients "

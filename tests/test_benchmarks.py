@@ -74,17 +74,22 @@ def test_report_shows_memory_and_which_intermediates_were_kept(tmp_path):
 
 
 def test_report_says_how_the_state_pass_was_recomputed(tmp_path):
-    # one stream, two (benchmark_chunk.py --overlap on), the 'auto' default; a STATE_PROGRAMS other than 128 noted
+    # one stream, two (benchmark_chunk.py --overlap on), the 'auto' default; a STATE_PROGRAMS other than the default
+    # (64) noted, and a run that did not record it had 128
     data = json.loads((ROOT / 'benchmarks' / 'results' / 'chunk.json').read_text())
     data['meta']['falcon_intermediates'] = 'recomputed'
     for streams, says in ((1, 'on one CUDA stream.'), (2, 'second CUDA stream beside the state gradients (every'),
                           ('auto', "OVERLAP_RECOMPUTE = 'auto'")):
-        data['meta'].update(recompute_streams=streams, state_programs=128 if streams != 'auto' else 64)
+        data['meta'].update(recompute_streams=streams, state_programs=64 if streams != 'auto' else 32)
         (tmp_path / 'chunk.json').write_text(json.dumps(data))
         bc.main(['--report-only', '--out', str(tmp_path)])
         md = (tmp_path / 'chunk.md').read_text()
         assert says in md, streams
-        assert ("STATE_PROGRAMS was 64" in md) == (streams == 'auto')
+        assert ("STATE_PROGRAMS was 32 (default 64)" in md) == (streams == 'auto')
+    del data['meta']['state_programs']
+    (tmp_path / 'chunk.json').write_text(json.dumps(data))
+    bc.main(['--report-only', '--out', str(tmp_path)])
+    assert "STATE_PROGRAMS was 128 (default 64)" in (tmp_path / 'chunk.md').read_text()
 
 
 def test_sweep_configs_compares_each_config_with_the_first(tmp_path):

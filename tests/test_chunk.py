@@ -170,14 +170,19 @@ def test_odd_head_dims(rule, device):
     check(run_both(rule, *inputs, torch.float32, chunk_size=32, window=win(rule)), torch.float32)
 
 
+@pytest.mark.parametrize('key_block', (32, 64))
 @pytest.mark.parametrize('rule', ('falcon1a', 'falcon2a', 'falcon3a'))
-def test_state_key_blocks(rule, device):
+def test_state_key_blocks(rule, key_block, device, monkeypatch):
     # few (sequence, head) programs: the sequential state kernels of the rules without a delta term split the key
-    # dimension (K = 80: blocks of 32, the third one partial and the fourth one past K), with varlen, an initial
-    # state and a window tail
-    from fla_falcon.ops.falcon.chunk import _state_key_block
-    assert _state_key_block(128, 2, 80, False) == 32 and _state_key_block(128, 2, 80, True) == 128
-    assert _state_key_block(128, 64, 128, False) == 128
+    # dimension (K = 80: blocks of 32, the third one partial and the fourth one past K, or of 64, the second one
+    # partial), with varlen, an initial state and a window tail
+    from fla_falcon.ops.falcon import chunk as chunk_mod
+    split = chunk_mod._state_key_block
+    assert split(128, 2, 80, False) == 32 and split(128, 2, 80, True) == 128
+    assert split(128, 16, 128, False) == 64 and split(128, 32, 128, False) == 128
+    # 2 sequences x 2 value heads, one value block: 4 programs a key block, 8 at key blocks of 64
+    monkeypatch.setattr(chunk_mod, 'STATE_PROGRAMS', 8 if key_block == 64 else 64)
+    assert split(128, 4, 24, False) == key_block
     cu = torch.tensor([0, 30, 75], device=device)
     inputs = make_inputs(rule, 1, 75, 1, 2, 80, 24, 'on', True, device, seed=4, cu_seqlens=cu, window=win(rule))
     check(run_both(rule, *inputs, torch.float32, cu_seqlens=cu, chunk_size=16, window=win(rule)), torch.float32)
@@ -378,18 +383,20 @@ def test_fwd_h_variants_are_the_same_state_pass(rule, device):
 
 def test_overlap_recompute_decision(monkeypatch):
     """Which recomputing backwards fork their state pass: under 'auto' the delta rules (falcon1, falcon3: no key
-    split) at few sequence-heads, where the fifty-third lease (H100) timed falcon1 / falcon3 15% / 13% faster forked at
-    (1, 16384, 16), and not the rules without a delta term, whose key split fills the SMs (10-13% slower forked);
-    never falcon2 (its state gradients read the states) nor off CUDA."""
+    split) and falcon2a at few sequence-heads, where the fifty-third / fifty-fourth leases (H100) timed them 9-15%
+    faster forked at (1, 16384, 16), and not falcon1a / falcon3a once their key split gives STATE_PROGRAMS programs
+    (12-18% slower forked there); never falcon2 (its state gradients read the states) nor off CUDA."""
     from fla_falcon.ops.falcon import chunk as chunk_mod
     decide = chunk_mod._overlap_recompute
     cuda, cpu = torch.device('cuda', 0), torch.device('cpu')
     monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', 'auto')
     assert decide(cuda, True, False, 128, 128, 16)          # falcon1 / falcon3 at (B, H) = (1, 16): 32 programs
     assert not decide(cuda, True, False, 128, 128, 64)      # (4, 16): 128
-    assert not decide(cuda, False, False, 128, 128, 16)     # falcon1a / falcon3a: K split to 128 programs
-    assert not decide(cuda, False, True, 128, 128, 16)      # falcon2a likewise
+    assert not decide(cuda, False, False, 128, 128, 16)     # falcon1a / falcon3a: K split to 64 programs
+    assert not decide(cuda, False, False, 128, 128, 8)      # (to 32-wide key blocks: 64)
     assert decide(cuda, False, False, 128, 128, 4)          # ... unless even 32-wide key blocks leave too few
+    assert decide(cuda, False, True, 128, 128, 16)          # falcon2a: 64 programs
+    assert not decide(cuda, False, True, 128, 128, 64)      # (4, 16): 128
     assert not decide(cuda, True, True, 128, 128, 16)       # falcon2
     assert not decide(cpu, True, False, 128, 128, 16)
     monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', True)
@@ -445,6 +452,17 @@ def test_gpu_bf16_heads128_varlen(rule, device):
     inputs = make_inputs(rule, 1, 1000, 2, 1, 128, 128, 'coupled', True, device, cu_seqlens=cu, window=win(rule))
     check(run_both(rule, *inputs, torch.bfloat16, lam_mode='coupled', cu_seqlens=cu, window=win(rule)),
           torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('rule', ('falcon1a', 'falcon2a', 'falcon3a'))
+def test_gpu_bf16_state_key_block_64(rule, device):
+    # 16 sequence-heads at K = V = 128: the state kernels of the rules without a delta term split K into two blocks
+    # of 64 (wgmma), as at the benchmark's (1, 16384, 16, 128, 128)
+    from fla_falcon.ops.falcon.chunk import _state_key_block
+    assert _state_key_block(128, 16, 128, False) == 64
+    inputs = make_inputs(rule, 1, 300, 4, 4, 128, 128, 'on', True, device, window=win(rule))
+    check(run_both(rule, *inputs, torch.bfloat16, window=win(rule)), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -2178,8 +2178,12 @@ def _win_bwd_pairs(k, last_k, count, tail_x, dxd, dxt, wE, fx, fv, dk, dv, dlast
 # host side
 # ----------------------------------------------------------------------------------------------
 
-# the sequential state kernels (_fwd_h, _bwd_dhu) want about this many programs; fewer leave SMs idle
-STATE_PROGRAMS = 128
+# The sequential state kernels (_fwd_h, _bwd_dhu) want about this many programs; fewer leave SMs idle. 64, not 128:
+# splitting K further, to 32, compiles their products to mma.sync instead of wgmma (whose M, the key block, is at
+# least 64; scripts/aot_check.py). H100, fifty-fourth lease, CUDA graph, fwd+bwd ms at (1, 16384, 16, 128, 128), key
+# block 32 / 64 / 128 (128 / 64 / 32 programs): falcon1a 1.773 / 1.402 / 1.540, falcon2a 2.767 / 2.505 / 2.586,
+# falcon3a 2.191 / 1.799 / 1.950 (simple GLA 1.569).
+STATE_PROGRAMS = 64
 
 
 def _state_key_block(BK, NHV, V, delta):
@@ -2231,13 +2235,17 @@ def _meta(q, v, chunk_size, cu_seqlens):
 # are latency-bound with one program per (sequence, head, key block, value block). The backward joins the stream
 # before the first kernel that reads the states. Every rule but falcon2, whose state gradients read the states
 # (falcon3's _bwd_dv_local3 / _bwd_dhu3 do not). 'auto' (the default) forks when a state pass has fewer than
-# STATE_PROGRAMS programs, which leaves SMs to the other: the delta rules (falcon1, falcon3: their passes cannot split
-# the key dimension) at few sequences. H100, fifty-third lease, CUDA graph, fwd+bwd ms on one stream / forked: at
-# (1, 16384, 16, 128, 128) falcon1 2.850 / 2.426, falcon3 10.824 / 9.387 (32 programs); at (4, 4096) (128 programs)
-# 1.809 / 1.812 and 7.231 / 7.316. The rules without a delta term split K to 128 programs there, and forked they lost
-# 10-13% (falcon1a 1.791 / 2.025, falcon2a 2.800 / 3.081, falcon3a 2.196 / 2.416): two passes that each fill the SMs
-# only slow each other. True / False: always / never (benchmark_chunk.py --overlap).
+# FORK_PROGRAMS programs, which leaves SMs to the other, or for falcon1a / falcon3a, whose passes are short, fewer
+# than STATE_PROGRAMS. H100, CUDA graph, fwd+bwd ms on one stream / forked, (1, 16384, 16, 128, 128) unless said:
+#   falcon1 / falcon3 (their passes cannot split the key dimension), fifty-third lease: 32 programs 2.850 / 2.426 and
+#   10.824 / 9.387; at (4, 4096), 128 programs, 1.809 / 1.812 and 7.231 / 7.316;
+#   falcon2a: 2.800 / 3.081 at 128 programs (key block 32, fifty-third lease); fifty-fourth lease 2.505 / 2.284 at
+#   64, 2.586 / 2.351 at 32;
+#   falcon1a / falcon3a, fifty-fourth lease: 1.402 / 1.649 and 1.799 / 2.026 at 64 programs, 1.540 / 1.397 and
+#   1.950 / 1.815 at 32 (key block 128); at 128 (key block 32) the fifty-third lost 10-13% forked.
+# True / False: always / never (benchmark_chunk.py --overlap).
 OVERLAP_RECOMPUTE = 'auto'
+FORK_PROGRAMS = 128
 _SIDE_STREAMS = {}
 
 
@@ -2267,13 +2275,14 @@ class _Fork:
 def _overlap_recompute(device, delta, per_col, K, V, NHV):
     """Whether the recomputing backward forks its state pass (OVERLAP_RECOMPUTE): on a CUDA device, not falcon2, and
     under 'auto' when the pass's programs (NHV sequence-heads, 64-wide value blocks, _state_key_block's key blocks)
-    are fewer than STATE_PROGRAMS."""
+    are fewer than FORK_PROGRAMS (falcon1a / falcon3a: STATE_PROGRAMS)."""
     if device.type != 'cuda' or (delta and per_col):
         return False
     if OVERLAP_RECOMPUTE != 'auto':
         return bool(OVERLAP_RECOMPUTE)
     BK = _key_block(K)
-    return NHV * triton.cdiv(V, 64) * (BK // _state_key_block(BK, NHV, V, delta)) < STATE_PROGRAMS
+    programs = NHV * triton.cdiv(V, 64) * (BK // _state_key_block(BK, NHV, V, delta))
+    return programs < (FORK_PROGRAMS if delta or per_col else STATE_PROGRAMS)
 
 
 def _run(fork, launch, tensors):
