@@ -750,13 +750,13 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-           DOT_ACC: tl.constexpr = False, KT: tl.constexpr = False):
+           KT: tl.constexpr = False):
     """Forward over chunks: h[c] = the state at the start of chunk c, [BK, BV] per program. The rules without a delta
     term may split the key dimension (BK < K, one block per program axis 1): their state's key rows evolve
     independently; falcon1's delta term W S needs all of them (BK covers K). falcon3a: the delayed GLA rows (eta
     holds mt), and the band's pairs added to the final state. falcon2a (PER_COL): eta = beta / den formed from beta
     and the row gates rg, not read."""
-    # (sweep variants, off by default: KT, the keys loaded as [BK, BT], not falcon3a's window rows)
+    # (a sweep variant, off by default: KT, the keys loaded as [BK, BT], not falcon3a's window rows)
     KEYS_T: tl.constexpr = KT and WIN == 0
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -789,10 +789,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
             b_eta = tl.load(beta + p_tv, mask=m_tv, other=0).to(tl.float32) * b_rd[:, None]
             b_u = tl.load(v + p_tv, mask=m_tv, other=0).to(tl.float32) * b_eta
             b_u = (b_u * tl.exp(b_Gl[None, :] - b_G)).to(k.dtype.element_ty)
-            if DOT_ACC:   # (a variant for benchmarks/sweep_configs.py: the decayed state as the product's accumulator)
-                b_h = tl.dot(_keys_t(b_x, KEYS_T), b_u, acc=b_h * tl.exp(b_Gl)[None, :])
-            else:
-                b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(_keys_t(b_x, KEYS_T), b_u)
+            b_h = b_h * tl.exp(b_Gl)[None, :] + tl.dot(_keys_t(b_x, KEYS_T), b_u)
         else:
             b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
             b_Gl = tl.load(G + (bos + last) * HV + i_hv)
@@ -807,10 +804,7 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
                 b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
                 b_u = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT,
                                   USE_INITIAL_STATE) * (b_eta * tl.exp(b_Gl - b_G))[:, None]
-            if DOT_ACC:
-                b_h = tl.dot(_keys_t(b_x, KEYS_T), b_u.to(k.dtype.element_ty), acc=b_h * tl.exp(b_Gl))
-            else:
-                b_h = b_h * tl.exp(b_Gl) + tl.dot(_keys_t(b_x, KEYS_T), b_u.to(k.dtype.element_ty))
+            b_h = b_h * tl.exp(b_Gl) + tl.dot(_keys_t(b_x, KEYS_T), b_u.to(k.dtype.element_ty))
     if STORE_FINAL_STATE:
         if WIN > 1:
             # falcon3a: the full state adds the pairs p = T-1-d (d < W - 1) whose window has not ended, Mb[T-1, d]
