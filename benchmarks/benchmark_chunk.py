@@ -268,10 +268,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit('benchmark_chunk.py needs a CUDA GPU (the Triton kernels are timed on the device); none found.')
     lifted = lift_fla_guard()
-    from fla_falcon.ops.falcon import chunk as chunk_mod
-    chunk_mod.OVERLAP_RECOMPUTE = {'auto': 'auto', 'on': True, 'off': False}[args.overlap]
+    _chunk.OVERLAP_RECOMPUTE = {'auto': 'auto', 'on': True, 'off': False}[args.overlap]
     if args.state_programs is not None:
-        chunk_mod.STATE_PROGRAMS = args.state_programs
+        _chunk.STATE_PROGRAMS = args.state_programs
     os.makedirs(args.out, exist_ok=True)
     results = []
     for spec in args.shapes:
@@ -332,13 +331,12 @@ def main(argv=None):
 
 def write_report(args, results, lifted: bool, done: bool) -> str:
     """chunk.json and chunk.md from the rows measured so far."""
-    from fla_falcon.ops.falcon import chunk as chunk_mod
     meta = {'device': torch.cuda.get_device_name(), 'torch': torch.__version__,
             'triton': __import__('triton').__version__, 'dtype': 'bfloat16', 'window_falcon3a': args.window,
             'fla_guard_640_lifted': lifted, 'lam': 'on (uncoupled)', 'complete': done,
             'falcon_intermediates': 'kept' if getattr(args, 'disable_recompute', False) else 'recomputed',
             'recompute_streams': {'on': 2, 'off': 1}.get(getattr(args, 'overlap', 'auto'), 'auto'),
-            'state_programs': chunk_mod.STATE_PROGRAMS}
+            'state_programs': _chunk.STATE_PROGRAMS}
     with open(os.path.join(args.out, 'chunk.json'), 'w') as f:
         json.dump({'meta': meta, 'results': results}, f, indent=2)
     return render_report(meta, results, args.out)

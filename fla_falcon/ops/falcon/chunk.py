@@ -2187,9 +2187,14 @@ def _state_key_block(BK, NHV, V, delta):
     with 32-64 programs, 158 / 131 us at B = 4 with 4x as many (2026-12-01 profile, same work)."""
     bk = BK
     if not delta:
-        while bk > 32 and NHV * triton.cdiv(V, 64) * (BK // bk) < STATE_PROGRAMS:
+        while bk > 32 and _state_programs(NHV, V, BK // bk) < STATE_PROGRAMS:
             bk //= 2
     return bk
+
+
+def _state_programs(NHV, V, key_blocks):
+    """Programs of a sequential state pass: NHV sequence-heads x 64-wide value blocks x key blocks."""
+    return NHV * triton.cdiv(V, 64) * key_blocks
 
 
 # Narrow heads (K or V < 64) get 64-wide key and value blocks, masked past the head: the tiles, and so the compiled
@@ -2275,7 +2280,7 @@ def _overlap_recompute(device, delta, per_col, K, V, NHV):
     if OVERLAP_RECOMPUTE != 'auto':
         return bool(OVERLAP_RECOMPUTE)
     BK = _key_block(K)
-    programs = NHV * triton.cdiv(V, 64) * (BK // _state_key_block(BK, NHV, V, delta))
+    programs = _state_programs(NHV, V, BK // _state_key_block(BK, NHV, V, delta))
     return programs < (FORK_PROGRAMS if delta or per_col else STATE_PROGRAMS)
 
 
