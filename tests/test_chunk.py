@@ -358,11 +358,13 @@ def test_gpu_recompute_overlapped(rule, device, monkeypatch):
         assert not differ, f"{rule}: overlapped recomputation against {mode}: {differ}"
 
 
+@pytest.mark.parametrize('kernel_name,flag', [('_fwd_h', 'KT'), ('_bwd_dhu', 'QT')])
 @pytest.mark.parametrize('rule', ['falcon1', 'falcon1a', 'falcon2a'])
-def test_fwd_h_variants_are_the_same_state_pass(rule, device):
-    """_fwd_h's sweep variant (benchmarks/sweep_configs.py: KT, the keys loaded as [BK, BT]) gives the default form's
-    states, final state and (falcon1) corrected values, varlen,
-    with an initial state whose last key is the first row's (the shifted key's only special case) in some sequences."""
+def test_state_kernels_transposed_loads(rule, kernel_name, flag, device):
+    """_fwd_h loads the keys, _bwd_dhu the queries and W, as [BK, BT] (KT / QT, the default), as the products take
+    them; the transposed form (KT / QT = 0, benchmarks/sweep_configs.py) gives the same states, final state, state
+    gradients and (falcon1) corrected values / dU, varlen, with an initial state whose last key is the first row's (the
+    shifted key's only special case) in some sequences."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))
@@ -370,15 +372,22 @@ def test_fwd_h_variants_are_the_same_state_pass(rule, device):
     cu = torch.tensor([0, 1, 70, 130], device=device)
     q, k, v, beta, lam, st = make_inputs(rule, 1, 130, 2, 1, 32, 32, 'on', True, device, cu_seqlens=cu)
     assert bool((st.count > 0).any()) and bool((st.count == 0).any())   # both cases of the first row
-    kernel = sc.find_kernel('_fwd_h')
-    seen = sc.capture(kernel, lambda: chunk_falcon(q, k, v, beta, lam, rule=rule, initial_state=st,
-                                                   output_final_state=True, cu_seqlens=cu))
-    rows = sc.run_configs(kernel, seen, [{}, dict(KT=1)], time=False)
+    xs = [t.requires_grad_() for t in (q, k, v, beta, lam)]
+
+    def step():
+        o, fs = chunk_falcon(*xs, rule=rule, initial_state=st, output_final_state=True, cu_seqlens=cu)
+        torch.autograd.grad(o.square().sum() + fs.S.sum(), xs)
+
+    kernel = sc.find_kernel(kernel_name)
+    seen = sc.capture(kernel, step)
+    rows = sc.run_configs(kernel, seen, [{}, {flag: 0}], time=False)
     tol = 1e-5 if device == 'cpu' else 1e-2   # (a GPU may order the fp32 sums otherwise: a bf16 state's last bit)
     assert rows[0]['outputs'] >= 2 and all(r['outputs'] == rows[0]['outputs'] for r in rows), rows
     assert all(r['max_rel_diff'] < tol for r in rows), rows
-    # the comparison can fail: the same-step key (SHIFT = 0) is another state pass
-    assert sc.run_configs(kernel, seen, [dict(KT=1), dict(KT=1, SHIFT=0)], time=False)[1]['max_rel_diff'] > 1e-2
+    # the comparison can fail: the same-step key (SHIFT = 0) is another state pass, and without the final state's
+    # gradient another state gradient
+    wrong = dict(SHIFT=0) if kernel_name == '_fwd_h' else dict(USE_FINAL_STATE_GRADIENT=0)
+    assert sc.run_configs(kernel, seen, [{}, wrong], time=False)[1]['max_rel_diff'] > 1e-2
 
 
 def test_overlap_recompute_decision(monkeypatch):

@@ -179,6 +179,16 @@ def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr
 
 
 @triton.jit
+def _load_rows(x, bos, o_t, m_t, o_k, i_h, H: tl.constexpr, K: tl.constexpr, TRANS: tl.constexpr):
+    """The rows o_t, columns o_k of head i_h of a [.., H, K] tensor: [len(o_t), len(o_k)], or transposed (TRANS)."""
+    p = ((bos + o_t) * H + i_h) * K
+    if TRANS:
+        return tl.load(x + p[None, :] + o_k[:, None], mask=(o_k < K)[:, None] & m_t[None, :], other=0)
+    else:
+        return tl.load(x + p[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+
+
+@triton.jit
 def _keys_t(b_x, LOADED_T: tl.constexpr):
     """The key tile as [BK, BT]: b_x itself if _load_x_cols loaded it so (TRANS), else transposed (here, at the product,
     where the default form has always transposed it: the compiled kernel does not change)."""
@@ -750,13 +760,15 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, WIN: tl.constexpr,
            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-           KT: tl.constexpr = False):
+           KT: tl.constexpr = True):
     """Forward over chunks: h[c] = the state at the start of chunk c, [BK, BV] per program. The rules without a delta
     term may split the key dimension (BK < K, one block per program axis 1): their state's key rows evolve
     independently; falcon1's delta term W S needs all of them (BK covers K). falcon3a: the delayed GLA rows (eta
     holds mt), and the band's pairs added to the final state. falcon2a (PER_COL): eta = beta / den formed from beta
     and the row gates rg, not read."""
-    # (a sweep variant, off by default: KT, the keys loaded as [BK, BT], not falcon3a's window rows)
+    # the keys loaded as [BK, BT] (KT), as the product takes them, not loaded as [BT, BK] and transposed (a layout
+    # conversion in shared memory): falcon1a's _fwd_h 0.296 -> 0.194 ms at (1, 16384, 16, 128, 128), key block 32
+    # (H100, fifty-fourth lease). Not falcon3a's window rows. KT=0 (benchmarks/sweep_configs.py) times the other form.
     KEYS_T: tl.constexpr = KT and WIN == 0
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -938,10 +950,11 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, PER_COL: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-             USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr):
+             USE_FINAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, QT: tl.constexpr = True):
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c (falcon1 also adds the
     state path exp(G_C - G) X dh to dU, which its state gradient needs). Key blocks as in _fwd_h (BK covers K
-    for falcon1: its dU sums over all of them)."""
+    for falcon1: its dU sums over all of them). The queries and W loaded as [BK, BT], as the products take them
+    (QT, as _fwd_h's KT; QT=0 in benchmarks/sweep_configs.py times the transposed form)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -958,8 +971,7 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         last = min(i_t * BT + BT, T) - 1
-        b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                      mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+        b_q = _load_rows(q, bos, o_t, m_t, o_k, i_h, H, K, QT)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0)
@@ -968,13 +980,13 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
             b_Gl = tl.load(G + ((bos + last) * HV + i_hv) * V + o_v, mask=o_v < V, other=0)
             b_dod = (b_do * tl.exp(b_G) * scale).to(b_q.dtype)
             b_dh_next = b_dh
-            b_dh = b_dh * tl.exp(b_Gl)[None, :] + tl.dot(tl.trans(b_q), b_dod)
+            b_dh = b_dh * tl.exp(b_Gl)[None, :] + tl.dot(_keys_t(b_q, QT), b_dod)
         else:
             b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
             b_Gl = tl.load(G + (bos + last) * HV + i_hv)
             b_dod = (b_do * (tl.exp(b_G) * scale)[:, None]).to(b_q.dtype)
             b_dh_next = b_dh
-            b_dh = b_dh * tl.exp(b_Gl) + tl.dot(tl.trans(b_q), b_dod)
+            b_dh = b_dh * tl.exp(b_Gl) + tl.dot(_keys_t(b_q, QT), b_dod)
         if DELTA:
             # the state path of dU is needed here (dS0 -= W^T dU); the other rules add it in the
             # parallel per-chunk kernel, which keeps this sequential loop short
@@ -982,9 +994,8 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
             b_du = tl.load(du + p_tv, mask=m_tv, other=0)
             b_du += tl.dot(b_x, b_dh_next.to(b_q.dtype)) * tl.exp(b_Gl - b_G)[:, None]
             tl.store(du + p_tv, b_du, mask=m_tv)
-            b_w = tl.load(W + ((bos + o_t) * HV + i_hv)[:, None] * K + o_k[None, :],
-                          mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-            b_dh -= tl.dot(tl.trans(b_w), b_du.to(b_w.dtype))
+            b_w = _load_rows(W, bos, o_t, m_t, o_k, i_hv, HV, K, QT)
+            b_dh -= tl.dot(_keys_t(b_w, QT), b_du.to(b_w.dtype))
     if USE_INITIAL_STATE:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + p_kv, b_dh, mask=m_kv)
 
