@@ -104,6 +104,14 @@ def restore(seen: dict):
         seen['args'][i].copy_(before)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values, NaN where the other has NaN: an output buffer the kernel leaves alone may hold
+    NaN garbage (torch.empty), which torch.equal would take for a change."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.), b.nan_to_num(0.))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     den = b.norm().item()
@@ -142,7 +150,7 @@ def run_configs(kernel: Autotuner, seen: dict, configs, time: bool = True, skip=
             rows.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
             continue
         outs = {i: a.clone() for i, a in enumerate(seen['args']) if isinstance(a, torch.Tensor) and i not in skip
-                and not torch.equal(a, seen['before'][i])}
+                and not _same(a, seen['before'][i])}
         if ref is None:
             ref = outs
         err = max((rel_err(outs[i], ref[i]) for i in ref if i in outs), default=0.0)

@@ -109,6 +109,17 @@ def test_sweep_configs_compares_each_config_with_the_first(tmp_path):
     assert rows[2]['config']['BV'] == 16 and rows[2]['config']['num_warps'] == best.num_warps, rows[2]
 
 
+def test_sweep_configs_takes_nan_garbage_for_an_untouched_buffer():
+    # a buffer the kernel does not write (torch.empty: NaN garbage, copied back before each config) is not an output;
+    # torch.equal alone calls it changed and makes every config's difference NaN (lease 55)
+    import sweep_configs as sc
+    a = bc.torch.tensor([1., float('nan'), 3.])
+    assert sc._same(a, a.clone())
+    assert not sc._same(a, bc.torch.tensor([1., float('nan'), 4.]))
+    assert not sc._same(a, bc.torch.tensor([1., 0., 3.]))
+    assert sc._same(bc.torch.arange(3), bc.torch.arange(3)) and not sc._same(bc.torch.arange(3), bc.torch.ones(3))
+
+
 def test_diag_rows_locates_errors(tmp_path, capsys):
     # scripts/diag_rows.py: fp32 kernels on bf16-rounded inputs agree with the reference to rounding, bf16 kernels
     # show their rounding, spread over the rows; the JSON has every output and gradient

@@ -768,7 +768,9 @@ def _fwd_h(k, v, last_k, count, tail_x, tail_v, G, eta, W, U, h, h0, ht, vn, wm,
     and the row gates rg, not read."""
     # the keys loaded as [BK, BT] (KT), as the product takes them, not loaded as [BT, BK] and transposed (a layout
     # conversion in shared memory): falcon1a's _fwd_h 0.296 -> 0.194 ms at (1, 16384, 16, 128, 128), key block 32
-    # (H100, fifty-fourth lease). Not falcon3a's window rows. KT=0 (benchmarks/sweep_configs.py) times the other form.
+    # (H100, fifty-fourth lease). At the 64-wide key blocks (wgmma, the default since) the two forms tie to 1%
+    # (falcon1 / falcon1a / falcon2a, both benchmark shapes, fifty-fifth lease), with fewer registers in this one.
+    # Not falcon3a's window rows. KT=0 (benchmarks/sweep_configs.py) times the other form.
     KEYS_T: tl.constexpr = KT and WIN == 0
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -954,7 +956,8 @@ def _bwd_dhu(q, k, last_k, count, G, W, do, du, dh, dht, dh0, scale,
     """Reverse over chunks: dh[c] = gradient of the state at the end of chunk c (falcon1 also adds the
     state path exp(G_C - G) X dh to dU, which its state gradient needs). Key blocks as in _fwd_h (BK covers K
     for falcon1: its dU sums over all of them). The queries and W loaded as [BK, BT], as the products take them
-    (QT, as _fwd_h's KT; QT=0 in benchmarks/sweep_configs.py times the transposed form)."""
+    (QT, as _fwd_h's KT; QT=0 in benchmarks/sweep_configs.py times the transposed form: a tie at the 64-wide key
+    blocks, fifty-fifth lease)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
