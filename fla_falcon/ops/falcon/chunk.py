@@ -148,19 +148,23 @@ def _load_x(k, last_k, count, i_n, i_h, bos, o_t, m_t, H: tl.constexpr, K: tl.co
 
 
 @triton.jit
+def _load_rows(x, bos, o_t, m_t, o_k, i_h, H: tl.constexpr, K: tl.constexpr, TRANS: tl.constexpr):
+    """The rows o_t, columns o_k of head i_h of a [.., H, K] tensor: [len(o_t), len(o_k)], or transposed (TRANS)."""
+    p = ((bos + o_t) * H + i_h) * K
+    if TRANS:
+        return tl.load(x + p[None, :] + o_k[:, None], mask=(o_k < K)[:, None] & m_t[None, :], other=0)
+    else:
+        return tl.load(x + p[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0)
+
+
+@triton.jit
 def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr, K: tl.constexpr,
                  SHIFT: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, TRANS: tl.constexpr = False):
     """_load_x for the key columns o_k only (the sequential state kernels' key blocks). TRANS: loaded as
-    [len(o_k), len(o_t)] (as fla's chunk_fwd_kernel_h loads its keys; _fwd_h's KT variant)."""
+    [len(o_k), len(o_t)] (as fla's chunk_fwd_kernel_h loads its keys; _fwd_h's KT)."""
     m_k = o_k < K
     r = o_t - SHIFT
-    m_r = m_t & (r >= 0)
-    if TRANS:
-        b_x = tl.load(k + ((bos + r) * H + i_h)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_r[None, :],
-                      other=0)
-    else:
-        b_x = tl.load(k + ((bos + r) * H + i_h)[:, None] * K + o_k[None, :],
-                      mask=m_r[:, None] & m_k[None, :], other=0)
+    b_x = _load_rows(k, bos, r, m_t & (r >= 0), o_k, i_h, H, K, TRANS)
     valid = m_t
     if SHIFT:
         if USE_INITIAL_STATE:
@@ -179,19 +183,9 @@ def _load_x_cols(k, last_k, count, i_n, i_h, bos, o_t, m_t, o_k, H: tl.constexpr
 
 
 @triton.jit
-def _load_rows(x, bos, o_t, m_t, o_k, i_h, H: tl.constexpr, K: tl.constexpr, TRANS: tl.constexpr):
-    """The rows o_t, columns o_k of head i_h of a [.., H, K] tensor: [len(o_t), len(o_k)], or transposed (TRANS)."""
-    p = ((bos + o_t) * H + i_h) * K
-    if TRANS:
-        return tl.load(x + p[None, :] + o_k[:, None], mask=(o_k < K)[:, None] & m_t[None, :], other=0)
-    else:
-        return tl.load(x + p[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0)
-
-
-@triton.jit
 def _keys_t(b_x, LOADED_T: tl.constexpr):
-    """The key tile as [BK, BT]: b_x itself if _load_x_cols loaded it so (TRANS), else transposed (here, at the product,
-    where the default form has always transposed it: the compiled kernel does not change)."""
+    """A [BT, BK] row tile (keys, or _bwd_dhu's queries and W) as [BK, BT], as the state products take it: b_x itself
+    if _load_rows / _load_x_cols loaded it so (TRANS), else transposed here, at the product."""
     if LOADED_T:
         return b_x
     else:
