@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 
@@ -22,25 +23,30 @@ COMMANDS = ('PRE_CMD', 'SIDE_CMD', 'PRE_BENCH', 'BENCH', 'TESTS')
 
 def _sourced(path: str) -> dict[str, str]:
     """The settings as chain.sh sees them after sourcing the file (L set as chain.sh sets it)."""
-    script = f'L=/tmp/L; set -a; . {path!s}; ' + '; '.join(f'printf "%s\\0" "${{{v}-}}"' for v in COMMANDS)
+    script = f'L=/tmp/L; . {shlex.quote(path)}; ' + '; '.join(f'printf "%s\\0" "${{{v}-}}"' for v in COMMANDS)
     out = subprocess.run(['bash', '-c', script], capture_output=True, text=True, check=True).stdout
     return dict(zip(COMMANDS, out.split('\0')))
 
 
-def _loop_vars_lost(cmd: str) -> list[str]:
-    """The variables a `for VAR in ...; do` loop of cmd sets but whose uses were expanded away before the eval."""
-    return [var for var in re.findall(r'\bfor\s+([A-Za-z_]\w*)\s+in\b', cmd)
-            if not re.search(r'\$\{?' + var + r'\b', cmd)]
+def _loop_vars_lost(path: str) -> list[str]:
+    """The variables that a `for VAR in ...; do` loop of a command sets but that a double-quoted assignment of the
+    file writes as a bare `$VAR` (expanded when the file is sourced) instead of `\\$VAR`."""
+    loops = {var for cmd in _sourced(path).values() for var in re.findall(r'\bfor\s+([A-Za-z_]\w*)\s+in\b', cmd)}
+    assignments = [line for line in open(path).read().splitlines() if re.match(r'(%s)="' % '|'.join(COMMANDS), line)]
+    return sorted(var for var in loops
+                  if any(re.search(r'(?<!\\)\$\{?' + var + r'\b', line) for line in assignments))
 
 
 @pytest.mark.skipif(shutil.which('bash') is None, reason='needs bash')
 def test_plan_next_keeps_its_loop_variables_for_the_eval(tmp_path):
-    # the check itself: an unescaped loop variable is caught, an escaped one passes
-    bad, good = tmp_path / 'bad.env', tmp_path / 'good.env'
-    bad.write_text('PRE_CMD="for o in off auto; do echo --overlap $o; done"\n')
-    good.write_text('PRE_CMD="for o in off auto; do echo --overlap \\$o; done"\n')
-    assert _loop_vars_lost(_sourced(str(bad))['PRE_CMD']) == ['o']
-    assert _loop_vars_lost(_sourced(str(good))['PRE_CMD']) == []
-    settings = _sourced(PLAN)
-    for name, cmd in settings.items():
-        assert not _loop_vars_lost(cmd), f'{name} in plan_next.env: loop variables expanded at source time'
+    # the check itself: a loop variable expanded at any of its uses is caught, one escaped at all of them passes
+    cases = {'bad': 'PRE_CMD="for o in off auto; do echo --overlap $o; done"',
+             'half': 'PRE_CMD="for o in off auto; do echo --overlap $o > f_\\$o; done"',
+             'good': 'PRE_CMD="for o in off auto; do echo --overlap \\$o > f_\\$o; done"'}
+    lost = {}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(f'# a comment may say $o\n{text}\n')
+        lost[name] = _loop_vars_lost(str(tmp_path / name))
+    assert lost == {'bad': ['o'], 'half': ['o'], 'good': []}
+    assert _sourced(str(tmp_path / 'good'))['PRE_CMD'].count('$o') == 2
+    assert not _loop_vars_lost(PLAN), 'plan_next.env: loop variables expanded when the file is sourced'
