@@ -107,7 +107,9 @@ def restore(seen: dict):
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """a and b hold the same values, NaN where the other has NaN: an output buffer the kernel leaves alone may hold
     NaN garbage (torch.empty), which torch.equal would take for a change."""
-    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    # (shapes first: allclose broadcasts)
+    return a.shape == b.shape and (torch.equal(a, b) or (a.is_floating_point()
+                                                        and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
