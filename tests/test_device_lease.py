@@ -18,7 +18,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = os.path.join(ROOT, 'scripts', 'device_lease', 'plan_next.env')
-COMMANDS = ('PRE_CMD', 'SIDE_CMD', 'PRE_BENCH', 'BENCH', 'TESTS')
+COMMANDS = ('PRE_CMD', 'SIDE_CMD', 'TESTS')   # the settings chain.sh evals
 
 
 def _sourced(path: str) -> dict[str, str]:
