@@ -14,5 +14,16 @@ python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${PYTEST_WORKERS:-8}")
 # the failures and the summary to the terminal
 # every failure's traceback also goes to LOG.failures as soon as it happens (tests/conftest.py)
 : > "$LOG.failures"
+# FLA_FALCON_TEST_CONFIGS=one: each autotuning key compiles one config of its list, not all of them (the suite is
+# compile-bound; tests/one_config.py), and LOG.configs records which ran (summed up at the end)
+if [[ "${FLA_FALCON_TEST_CONFIGS:-}" == one ]]; then
+    : > "$LOG.configs"
+    export FLA_FALCON_CONFIG_LOG=$(realpath "$LOG.configs")
+fi
 PYTEST_FAIL_LOG=$(realpath "$LOG.failures") python3 -m pytest -v "${XDIST[@]}" -p no:cacheprovider --timeout "${PYTEST_TIMEOUT:-600}" -rfE "${@:-tests}" 2>&1 \
     | tee "$LOG" | grep --line-buffered -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+rc=${PIPESTATUS[0]}
+if [[ -s "${FLA_FALCON_CONFIG_LOG:-}" ]]; then
+    python3 tests/one_config.py "$FLA_FALCON_CONFIG_LOG" > "$LOG.configs.md" && echo "configs run: $LOG.configs.md"
+fi
+exit $rc

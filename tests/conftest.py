@@ -38,6 +38,13 @@ if INTERPRET:
         _install_bounds()
 
 
+if not INTERPRET and os.environ.get('FLA_FALCON_TEST_CONFIGS') == 'one':
+    # a GPU run compiles one config per autotuning key instead of the whole list (tests/one_config.py)
+    from one_config import install as _install_one_config
+
+    _install_one_config()
+
+
 @pytest.fixture
 def device():
     return DEVICE
