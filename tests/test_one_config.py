@@ -68,6 +68,21 @@ def test_one_config_per_key(cls, tmp_path, monkeypatch):
     assert f"| fake_kernel | {len(set(picks))} / 5" in table
 
 
+def test_pick_stays_out_of_the_disk_cache(cls):
+    # with TRITON_CACHE_AUTOTUNING=1 (the lease machine) the pick would be saved as the key's best config, and a
+    # benchmark later on the same machine would load it instead of autotuning
+    kernel = FakeKernel()
+    tuner, _ = _tuner(cls, kernel)
+    tuner.cache_results = True
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("one_config wrote or read Triton's on-disk autotune cache")
+
+    tuner.check_disk_cache = no_disk
+    tuner.run(None, 3)
+    assert len(kernel.ran) == 2
+
+
 def test_config_that_does_not_fit_passes_the_turn(cls):
     n = next(n for n in range(100) if zlib.crc32(f"fake_kernel{(n,)!r}".encode()) % 5 == 3)
     kernel = FakeKernel(too_big={3, 4})
