@@ -239,7 +239,8 @@ def main(argv=None):
     parser.add_argument('--overlap', choices=('auto', 'on', 'off'), default='auto',
                         help="chunk.py's OVERLAP_RECOMPUTE: the recomputed state pass on a second CUDA stream beside "
                              "the state gradients always (on), never (off), or where the state pass has few programs "
-                             "(auto, the default: falcon1, falcon2a and falcon3 at few sequences)")
+                             "(auto, the default: falcon1, falcon2, falcon2a and falcon3 at few sequences; falcon2 never "
+                             "where its state gradients read the states)")
     parser.add_argument('--state-programs', type=int, default=None, metavar='N',
                         help=f"set chunk.py's STATE_PROGRAMS (default {DEFAULT_STATE_PROGRAMS}): the rules without "
                              "a delta term split the key dimension of their sequential state kernels down to 32-wide "

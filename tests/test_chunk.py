@@ -330,8 +330,73 @@ def test_recompute_matches_saved(rule, device):
     assert held[False] < held[True], held
 
 
+class _DeferredFork:
+    """A stand-in for chunk.py's _Fork that runs the forked launch only at the join, after filling the chunk-start
+    states it was handed ([chunks, HV, K, V], more rows than sequences) with NaN: a kernel that reads the states, or
+    anything the launch writes, before the join reads NaN or nothing."""
+    made = []
+    n_seq = 1   # the test's sequences: the states of the sequences' ends (S0, the final state) are left alone
+
+    def __init__(self, device):
+        self.pending, self.launched, self.joins = None, False, 0
+        _DeferredFork.made.append(self)
+
+    def run(self, launch, tensors):
+        assert self.pending is None and not self.launched, "one forked launch per backward"
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[0] > self.n_seq and t.is_floating_point():
+                t.fill_(float('nan'))
+        self.pending = launch
+
+    def join(self):
+        self.joins += 1
+        if self.pending is not None:
+            self.pending()
+            self.pending, self.launched = None, True
+
+
+@pytest.mark.parametrize('rule,end', [(r, None) for r in SUPPORTED_RULES if r != 'falcon2']
+                         + [('falcon2', False), ('falcon2', True)])
+def test_recompute_fork_joins_before_the_states_are_read(rule, end, device, monkeypatch):
+    """The recomputing backward with its state pass forked (OVERLAP_RECOMPUTE) gives the bits of the kept
+    intermediates' backward when the forked launch only runs at the join (_DeferredFork): every kernel that reads the
+    states, or falcon2's residual, runs after the join. falcon2 both ways: its state gradients read the states where
+    they form the decay gradient's end terms (END, chunk_col._end_in_dhu), and then join first."""
+    from fla_falcon.ops.falcon import chunk as chunk_mod
+    from fla_falcon.ops.falcon import chunk_col
+    cu = torch.tensor([0, 23, 150], device=device)
+    q, k, v, beta, lam, st = make_inputs(rule, 1, 150, 1, 2, 16, 16, 'on', True, device, cu_seqlens=cu,
+                                         window=win(rule))
+    g = torch.Generator(device='cpu').manual_seed(6)
+    do, dS = torch.randn(v.shape, generator=g).to(device), torch.randn(st.S.shape, generator=g).to(device)
+    if end is not None:
+        monkeypatch.setattr(chunk_col, '_end_in_dhu', lambda programs, dev: end)
+        grads_fn = chunk_col._bwd_col_grads
+
+        def grads_after_join(*args, **kwargs):
+            assert _DeferredFork.made[-1].launched, "falcon2's gradients ran before the forked state pass"
+            return grads_fn(*args, **kwargs)
+        monkeypatch.setattr(chunk_col, '_bwd_col_grads', grads_after_join)
+    monkeypatch.setattr(_DeferredFork, 'n_seq', len(cu) - 1)
+    runs = {}
+    for mode in ('kept', 'forked'):
+        if mode == 'forked':
+            monkeypatch.setattr(chunk_mod, '_Fork', _DeferredFork)
+            monkeypatch.setattr(chunk_mod, '_overlap_recompute', lambda *args: True)
+        xs = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
+        S0 = st.S.clone().requires_grad_()
+        state = FalconState(S0, st.last_k, st.tail_x, st.tail_v, st.count)
+        o, fs = chunk_falcon(*xs, rule=rule, window=win(rule), initial_state=state, output_final_state=True,
+                             cu_seqlens=cu, disable_recompute=mode == 'kept')
+        runs[mode] = [o, fs.S] + list(torch.autograd.grad((o * do).sum() + (fs.S * dS).sum(), xs + [S0]))
+    fork = _DeferredFork.made[-1]
+    assert fork.launched and fork.joins >= 1
+    for name, a, b in zip(['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0'], runs['kept'], runs['forked']):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize('rule', [r for r in SUPPORTED_RULES if r != 'falcon2'])
+@pytest.mark.parametrize('rule', SUPPORTED_RULES)
 def test_gpu_recompute_overlapped(rule, device, monkeypatch):
     """The recomputing backward's state pass runs on a second stream beside the state gradients (chunk.py's _Fork):
     the same bits as on one stream and as with the states kept, at a length where the two passes overlap for
@@ -394,8 +459,10 @@ def test_overlap_recompute_decision(monkeypatch):
     """Which recomputing backwards fork their state pass: under 'auto' the delta rules (falcon1, falcon3: no key
     split) and falcon2a at few sequence-heads, where the fifty-third / fifty-fourth leases (H100) timed them 9-15%
     faster forked at (1, 16384, 16), and not falcon1a / falcon3a once their key split gives STATE_PROGRAMS programs
-    (12-18% slower forked there); never falcon2 (its state gradients read the states) nor off CUDA."""
+    (12-18% slower forked there); falcon2 only with fewer programs than multiprocessors (else its state gradients
+    read the states); never off CUDA."""
     from fla_falcon.ops.falcon import chunk as chunk_mod
+    from fla_falcon.ops.falcon import chunk_col
     decide = chunk_mod._overlap_recompute
     cuda, cpu = torch.device('cuda', 0), torch.device('cpu')
     monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', 'auto')
@@ -406,13 +473,17 @@ def test_overlap_recompute_decision(monkeypatch):
     assert decide(cuda, False, False, 128, 128, 4)          # ... unless even 32-wide key blocks leave too few
     assert decide(cuda, False, True, 128, 128, 16)          # falcon2a: 64 programs
     assert not decide(cuda, False, True, 128, 128, 64)      # (4, 16): 128
-    assert not decide(cuda, True, True, 128, 128, 16)       # falcon2
+    # falcon2 (32-wide value blocks) on 132 multiprocessors: 64 programs fork, 256 form the end terms from the states
+    monkeypatch.setattr(chunk_col, 'get_multiprocessor_count', lambda index: 132)
+    assert decide(cuda, True, True, 128, 128, 16)
+    assert not decide(cuda, True, True, 128, 128, 64)
     assert not decide(cpu, True, False, 128, 128, 16)
     monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', True)
-    assert decide(cuda, False, False, 128, 128, 64) and not decide(cuda, True, True, 128, 128, 1)
+    assert decide(cuda, False, False, 128, 128, 64) and decide(cuda, True, True, 128, 128, 1)
+    assert not decide(cuda, True, True, 128, 128, 64)       # (never where the state gradients read the states)
     assert not decide(cpu, False, False, 128, 128, 1)
     monkeypatch.setattr(chunk_mod, 'OVERLAP_RECOMPUTE', False)
-    assert not decide(cuda, True, False, 128, 128, 1)
+    assert not decide(cuda, True, False, 128, 128, 1) and not decide(cuda, True, True, 128, 128, 16)
 
 
 def test_unsupported_and_bad_args(device):

@@ -2240,10 +2240,12 @@ def _meta(q, v, chunk_size, cu_seqlens):
 # The recomputing backward's state pass (_fwd_h again) on a second CUDA stream, beside the backward's first kernels
 # (_bwd_dv_local and the state gradients' _bwd_dhu), which do not read the chunk-start states: both sequential passes
 # are latency-bound with one program per (sequence, head, key block, value block). The backward joins the stream
-# before the first kernel that reads the states. Every rule but falcon2, whose state gradients read the states
-# (falcon3's _bwd_dv_local3 / _bwd_dhu3 do not). 'auto' (the default) forks when a state pass has fewer than
-# FORK_PROGRAMS programs, which leaves SMs to the other, or for falcon1a / falcon3a, whose passes are short, fewer
-# than STATE_PROGRAMS. H100, CUDA graph, fwd+bwd ms on one stream / forked, (1, 16384, 16, 128, 128) unless said:
+# before the first kernel that reads the states. falcon3's _bwd_dv_local3 / _bwd_dhu3 do not read them either;
+# falcon2's _bwd_dhu_delta_col does where it forms the decay gradient's end terms (chunk_col._end_in_dhu: as many
+# programs as multiprocessors), so falcon2 forks only below that, where its two sequential passes fit side by side
+# (untimed). 'auto' (the default) forks when a state pass has fewer than FORK_PROGRAMS programs, which leaves SMs to
+# the other, or for falcon1a / falcon3a, whose passes are short, fewer than STATE_PROGRAMS. H100, CUDA graph, fwd+bwd
+# ms on one stream / forked, (1, 16384, 16, 128, 128) unless said:
 #   falcon1 / falcon3 (their passes cannot split the key dimension), fifty-third lease: 32 programs 2.850 / 2.426 and
 #   10.824 / 9.387; at (4, 4096), 128 programs, 1.809 / 1.812 and 7.231 / 7.316;
 #   falcon2a: 2.800 / 3.081 at 128 programs (key block 32, fifty-third lease); fifty-fourth lease 2.505 / 2.284 at
@@ -2280,11 +2282,17 @@ class _Fork:
 
 
 def _overlap_recompute(device, delta, per_col, K, V, NHV):
-    """Whether the recomputing backward forks its state pass (OVERLAP_RECOMPUTE): on a CUDA device, not falcon2, and
-    under 'auto' when the pass's programs (NHV sequence-heads, 64-wide value blocks, _state_key_block's key blocks)
-    are fewer than FORK_PROGRAMS (falcon1a / falcon3a: STATE_PROGRAMS)."""
-    if device.type != 'cuda' or (delta and per_col):
+    """Whether the recomputing backward forks its state pass (OVERLAP_RECOMPUTE): on a CUDA device, and under 'auto'
+    when the pass's programs (NHV sequence-heads, 64-wide value blocks, _state_key_block's key blocks) are fewer than
+    FORK_PROGRAMS (falcon1a / falcon3a: STATE_PROGRAMS). falcon2 only where its state gradients do not read the
+    states (chunk_col._end_in_dhu false: fewer programs than multiprocessors), and then under 'auto' always."""
+    if device.type != 'cuda':
         return False
+    if delta and per_col:
+        from fla_falcon.ops.falcon.chunk_col import _end_in_dhu, _state_pass_programs
+        if _end_in_dhu(_state_pass_programs(1, NHV, V), device):
+            return False
+        return OVERLAP_RECOMPUTE == 'auto' or bool(OVERLAP_RECOMPUTE)
     if OVERLAP_RECOMPUTE != 'auto':
         return bool(OVERLAP_RECOMPUTE)
     BK = _key_block(K)
@@ -2311,8 +2319,8 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
     """(o, the final state, the tensors the backward reads). The backward's recomputation (chunk_falcon's
     default) passes what the forward kept (_recompute_split): ``outputs``, what only the output kernel makes and the
     backward reads (the kernel is skipped, o is None and these take their place among the saved tensors), and
-    ``gates``, the per-row gates and WY solves, which are not formed again; with ``fork`` (a _Fork; not falcon2) the
-    state pass runs on its stream, and the states are ready after ``fork.join()``."""
+    ``gates``, the per-row gates and WY solves, which are not formed again; with ``fork`` (a _Fork) the state pass
+    runs on its stream, and the states are ready after ``fork.join()``."""
     if delta and win:
         # falcon3: the window's pairs as virtual rows of falcon1's WY form (chunk_win.py)
         from fla_falcon.ops.falcon.chunk_win import chunk_fwd_falcon3
@@ -2322,7 +2330,7 @@ def _chunk_fwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, scale, eps
         # falcon2: one triangular system per value column, in the sequential kernel (chunk_col.py)
         from fla_falcon.ops.falcon.chunk_col import chunk_fwd_falcon2
         return chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                                 output_final_state, cu_seqlens, chunk_size, outputs, gates)
+                                 output_final_state, cu_seqlens, chunk_size, outputs, gates, fork)
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -2446,7 +2454,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     if delta and per_col:
         from fla_falcon.ops.falcon.chunk_col import chunk_bwd_falcon2
         return chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma,
-                                 lam_coupled, shift, cu_seqlens, chunk_size) + (None, None)
+                                 lam_coupled, shift, cu_seqlens, chunk_size, fork) + (None, None)
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, H, HV, K, V, BT, BK, BV, NT, N = (m[x] for x in ('B', 'T', 'H', 'HV', 'K', 'V', 'BT', 'BK', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -2705,8 +2713,8 @@ class ChunkFalconFunction(torch.autograd.Function):
         fork = None
         if ctx.recompute is not None:
             final, n_gates = ctx.recompute
-            # the state pass beside the backward's first kernels (OVERLAP_RECOMPUTE; not falcon2's, whose state
-            # gradients read the states)
+            # the state pass beside the backward's first kernels (OVERLAP_RECOMPUTE; falcon2's only where its state
+            # gradients do not read the states)
             N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
             if _overlap_recompute(q.device, delta, per_col, q.shape[-1], v.shape[-1], N * v.shape[2]):
                 fork = _Fork(q.device)

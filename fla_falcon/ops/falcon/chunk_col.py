@@ -79,11 +79,13 @@ from fla_falcon.ops.falcon.chunk import (
     _col_outputs,
     _col_rg,
     _fwd_o_col,
+    _join,
     _load_x,
     _meta,
     _next_state,
     _prep_fwd,
     _reduce_groups,
+    _run,
     _seq_info,
     _seq_span,
 )
@@ -220,6 +222,11 @@ def _bwd_step(j: tl.constexpr, b_dr, b_z, b_eta, p_m, p_f, o_b, m_v, H: tl.const
 # 1205 -> 851 us, ~62 / ~69 warp instructions per step, and falcon2 4575 -> 4044 us in all (writing F costs _prep_fwd
 # 131 us, the backward's _col_decay 69).
 CONFIGS_COL_H = [triton.Config({'BV': 32}, num_warps=4, num_stages=2)]
+
+
+def _state_pass_programs(N: int, HV: int, V: int) -> int:
+    """The programs of falcon2's sequential kernels (one per sequence, value head and value block)."""
+    return N * HV * triton.cdiv(V, CONFIGS_COL_H[0].kwargs['BV'])
 
 
 def _end_in_dhu(programs: int, device: torch.device) -> bool:
@@ -378,11 +385,13 @@ def _step_factors(G, m, cu_seqlens):
 
 
 def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gamma, lam_coupled, shift,
-                output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None):
+                output_final_state, cu_seqlens, chunk_size, outputs=None, gates=None, fork=None):
     """falcon2's chunk forward: (o, final S, saved tensors). The backward's recomputation passes ``outputs`` (the
     forward's (o, o_lo): no output kernel, o None, ``outputs`` in the saved tensors) and ``gates``, the saved
     (M, G, rg), which it does not form again; the decay factors F then come back last among the saved tensors, for
-    the backward's state gradients (so the backward forms them once)."""
+    the backward's state gradients (so the backward forms them once). With ``fork`` (chunk.py's _Fork: only where
+    the state gradients do not read the states, _end_in_dhu false) the state pass runs on its stream; F is formed
+    before, on this one, since the state gradients read it too."""
     m = _meta(q, v, chunk_size, cu_seqlens)
     B, T, HV, K, V, BV, NT, N = (m[x] for x in ('B', 'T', 'HV', 'K', 'V', 'BV', 'NT', 'N'))
     ci, co = m['chunk_indices'], m['chunk_offsets']
@@ -410,9 +419,9 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
     ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
     r = torch.empty(B, T, HV, V, **f32)
     common_h = {key: val for key, val in common.items() if key != 'BV'}
-    _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
+    _run(fork, lambda: _fwd_h_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         k, v, last_k, count, M, G, F, beta, rg, h, S0, ht, r, cu_seqlens, co, T, BS=BS,
-        STORE_FINAL_STATE=output_final_state, **common_h)
+        STORE_FINAL_STATE=output_final_state, **common_h), [h, ht, r, F])
     if outputs is not None:
         return None, ht, (M, G, r, h, *outputs, rg, ht, F)
     del F
@@ -426,7 +435,10 @@ def chunk_fwd_falcon2(q, k, v, beta, lam, S0, last_k, count, scale, eps, eps_gam
 
 
 def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, scale, eps, eps_gamma, lam_coupled, shift,
-                cu_seqlens, chunk_size):
+                cu_seqlens, chunk_size, fork=None):
+    """falcon2's chunk backward. ``fork``: the _Fork whose stream may still compute the recomputed states h, ht and
+    the residual r; joined before the first kernel that reads them (_bwd_dhu_delta_col with END, else the gradients
+    after it)."""
     # (F: the recomputation's decay factors, when it ran)
     M, G, r, h, o, o_lo, rg, ht, *F = saved
     _check_dht(dht, ht)   # before any launch: _bwd_dhu_delta_col reads ht with dht
@@ -450,12 +462,14 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     F = F[0] if F else _step_factors(G, m, cu_seqlens)
     # the decay gradient's end terms per chunk, formed by the sequential kernel or else by _bwd_col_gates (its program
     # count from CONFIGS_COL_H's one config: the choice is needed before the launch)
-    end = (torch.empty(m['NTH'], HV, V, **f32)
-           if _end_in_dhu(N * HV * triton.cdiv(V, CONFIGS_COL_H[0].kwargs['BV']), dev) else None)
+    end = torch.empty(m['NTH'], HV, V, **f32) if _end_in_dhu(_state_pass_programs(N, HV, V), dev) else None
+    if end is not None:
+        _join(fork)   # the end terms read the states (a fork is not made then: chunk.py's _overlap_recompute)
     _bwd_dhu_delta_col[lambda meta: (triton.cdiv(V, meta['BV']), N * HV)](
         q, k, last_k, count, M, G, F, beta, rg, do, du, dr, h, ht, dh, dht, dh0, end, scale, cu_seqlens, co, T,
         BS=M.shape[-1], USE_FINAL_STATE_GRADIENT=dht is not None, END=end is not None, **common_h)
-    del F
+    del F   # (held by the fork until its join when the recomputation was forked)
+    _join(fork)   # the gradients below read h, ht and r
     # key-side gradients are per value head; with grouped heads they are summed afterwards in fp32
     kdt = q.dtype if HV == H else torch.float32
     dq = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
