@@ -369,18 +369,24 @@ def test_recompute_fork_joins_before_the_states_are_read(rule, end, device, monk
                                          window=win(rule))
     g = torch.Generator(device='cpu').manual_seed(6)
     do, dS = torch.randn(v.shape, generator=g).to(device), torch.randn(st.S.shape, generator=g).to(device)
+    # this test's forks only (a fork left by an earlier test in the same process must not answer for this one)
+    monkeypatch.setattr(_DeferredFork, 'made', [])
     if end is not None:
         monkeypatch.setattr(chunk_col, '_end_in_dhu', lambda programs, dev: end)
         grads_fn = chunk_col._bwd_col_grads
 
         def grads_after_join(*args, **kwargs):
-            assert _DeferredFork.made[-1].launched, "falcon2's gradients ran before the forked state pass"
+            # the kept backward forks nothing; the forked one must have run its state pass by now
+            if chunk_mod._Fork is _DeferredFork:
+                made = _DeferredFork.made
+                assert made and made[-1].launched, "falcon2's gradients ran before the forked state pass"
             return grads_fn(*args, **kwargs)
         monkeypatch.setattr(chunk_col, '_bwd_col_grads', grads_after_join)
     monkeypatch.setattr(_DeferredFork, 'n_seq', len(cu) - 1)
     runs = {}
     for mode in ('kept', 'forked'):
         if mode == 'forked':
+            assert not _DeferredFork.made, 'the kept backward forked'
             monkeypatch.setattr(chunk_mod, '_Fork', _DeferredFork)
             monkeypatch.setattr(chunk_mod, '_overlap_recompute', lambda *args: True)
         xs = [t.clone().requires_grad_() for t in (q, k, v, beta, lam)]
@@ -389,7 +395,8 @@ def test_recompute_fork_joins_before_the_states_are_read(rule, end, device, monk
         o, fs = chunk_falcon(*xs, rule=rule, window=win(rule), initial_state=state, output_final_state=True,
                              cu_seqlens=cu, disable_recompute=mode == 'kept')
         runs[mode] = [o, fs.S] + list(torch.autograd.grad((o * do).sum() + (fs.S * dS).sum(), xs + [S0]))
-    fork = _DeferredFork.made[-1]
+    assert len(_DeferredFork.made) == 1, 'one fork per backward'
+    fork = _DeferredFork.made[0]
     assert fork.launched and fork.joins >= 1
     for name, a, b in zip(['o', 'S', 'dq', 'dk', 'dv', 'dbeta', 'dlam', 'dS0'], runs['kept'], runs['forked']):
         assert torch.equal(a, b), name
