@@ -2242,12 +2242,13 @@ def _meta(q, v, chunk_size, cu_seqlens):
 # are latency-bound with one program per (sequence, head, key block, value block). The backward joins the stream
 # before the first kernel that reads the states. falcon3's _bwd_dv_local3 / _bwd_dhu3 do not read them either;
 # falcon2's _bwd_dhu_delta_col does where it forms the decay gradient's end terms (chunk_col._end_in_dhu: as many
-# programs as multiprocessors), so falcon2 forks only below that, where its two sequential passes fit side by side
-# (untimed). 'auto' (the default) forks when a state pass has fewer than FORK_PROGRAMS programs, which leaves SMs to
+# programs as multiprocessors), so falcon2 forks only below that, where its two sequential passes fit side by side.
+# 'auto' (the default) forks when a state pass has fewer than FORK_PROGRAMS programs, which leaves SMs to
 # the other, or for falcon1a / falcon3a, whose passes are short, fewer than STATE_PROGRAMS. H100, CUDA graph, fwd+bwd
 # ms on one stream / forked, (1, 16384, 16, 128, 128) unless said:
 #   falcon1 / falcon3 (their passes cannot split the key dimension), fifty-third lease: 32 programs 2.850 / 2.426 and
 #   10.824 / 9.387; at (4, 4096), 128 programs, 1.809 / 1.812 and 7.231 / 7.316;
+#   falcon2, fifty-eighth lease: 9.509 / 7.783 (the gated delta rule 2.959 / 2.965 in the same runs);
 #   falcon2a: 2.800 / 3.081 at 128 programs (key block 32, fifty-third lease); fifty-fourth lease 2.505 / 2.284 at
 #   64, 2.586 / 2.351 at 32;
 #   falcon1a / falcon3a, fifty-fourth lease: 1.402 / 1.649 and 1.799 / 2.026 at 64 programs, 1.540 / 1.397 and
