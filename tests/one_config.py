@@ -3,7 +3,9 @@
 
 On a GPU the autotuner compiles and times every config of a kernel's list for each new key, and checks only the
 winner's output: our lists hold 2-8 configs (``CONFIGS_H``: 8), falcon2's sequential kernels take 23-34 s each to
-compile for sm_90, and the GPU suite is compile-bound (~24 minutes at 14 workers, against a 30-minute device lease).
+compile for sm_90, and the GPU suite was compile-bound (~24 minutes at 14 workers, against a 30-minute device lease;
+``tests/test_chunk.py``'s GPU tests of the rules other than falcon2 took 150 s in this mode on an H100, fifty-eighth
+lease, where the fifty-seventh had finished 62 of those 99 in ~5 minutes).
 In this mode each autotuning key compiles one config, chosen from a hash of the kernel's name and its key, so the
 suite's many shapes, dtypes and heads spread over the whole list instead of the config that wins at small test shapes
 every time: a config the benchmark picks at (4, 4096, 16, 128, 128) gets tested too. A config that does not fit
@@ -44,8 +46,9 @@ def install(cls=None) -> None:
         start = zlib.crc32(key.encode()) % len(configs)
         # the list from the hashed config on: _bench times the first that compiles and skips the rest
         self._fla_falcon_one = {'key': key, 'done': False, 'configs': configs}
-        # nor into Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING=1 on the lease machine), where a benchmark
-        # later on the same machine would take this pick for the best config (run() reads the flag after pruning)
+        # and the pick stays out of Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING=1 on the lease machine),
+        # where a benchmark later on the same machine would take it for the best config (run() reads the flag after
+        # pruning)
         self.cache_results = False
         return configs[start:] + configs[:start]
 
