@@ -50,3 +50,25 @@ def test_plan_next_keeps_its_loop_variables_for_the_eval(tmp_path):
     assert lost == {'bad': ['o'], 'half': ['o'], 'good': []}
     assert _sourced(str(tmp_path / 'good'))['PRE_CMD'].count('$o') == 2
     assert not _loop_vars_lost(PLAN), 'plan_next.env: loop variables expanded when the file is sourced'
+
+
+def _shadowed(path: str) -> list[str]:
+    """Shell functions a command defines (`name() {`) under the name of a command or builtin: chain.sh evals the
+    commands in its own shell, so such a function would replace it for the rest of the chain (a `tr() {...}` did, in
+    the fifty-eighth session's draft)."""
+    names = {n for cmd in _sourced(path).values() for n in re.findall(r'(?:^|[;{]\s*)([A-Za-z_][\w-]*)\s*\(\)\s*\{', cmd)}
+    out = []
+    for name in sorted(names):
+        kind = subprocess.run(['bash', '-c', f'type -t {shlex.quote(name)}'], capture_output=True, text=True).stdout
+        if kind.strip() or shutil.which(name):
+            out.append(name)
+    return out
+
+
+@pytest.mark.skipif(shutil.which('bash') is None, reason='needs bash')
+def test_plan_next_functions_shadow_no_command(tmp_path):
+    (tmp_path / 'bad').write_text('PRE_CMD="tr() { echo; }; t_r() { echo; }; tr"\n')
+    (tmp_path / 'good').write_text('PRE_CMD="nvidia-smi -L; t_r() { echo; }; t_o() { echo; }; t_r; t_o"\n')
+    assert _shadowed(str(tmp_path / 'bad')) == ['tr']
+    assert _shadowed(str(tmp_path / 'good')) == []
+    assert not _shadowed(PLAN), 'plan_next.env: a shell function named as a command'
