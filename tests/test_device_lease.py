@@ -72,3 +72,28 @@ def test_plan_next_functions_shadow_no_command(tmp_path):
     assert _shadowed(str(tmp_path / 'bad')) == ['tr']
     assert _shadowed(str(tmp_path / 'good')) == []
     assert not _shadowed(PLAN), 'plan_next.env: a shell function named as a command'
+
+
+@pytest.mark.skipif(not all(shutil.which(c) for c in ('bash', 'xz', 'tar', 'find')), reason='needs bash, xz, tar')
+def test_pack_cache_keeps_what_fits(tmp_path):
+    # step.sh's `final`: the whole Triton cache if it fits, else the autotune results and falcon2's sequential kernels'
+    # entries (their compiles take most of falcon2's GPU tests), else the autotune results alone
+    cache = tmp_path / 'cache'
+    files = {'A/_fwd_h_delta_col.json': b'm', 'A/__grp___fwd_h_delta_col.json': b'g',
+             'A/_fwd_h_delta_col.cubin': os.urandom(200_000), 'B/_fwd_o_col.json': b'm',
+             'B/_fwd_o_col.cubin': os.urandom(3_000_000), 'C/_fwd_o_col.autotune.json': b'{}',
+             'D/_bwd_dhu_delta_col.json': b'm'}
+    for name, data in files.items():
+        (cache / name).parent.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_bytes(data)
+    script = os.path.join(ROOT, 'scripts', 'device_lease', 'pack_cache.sh')
+    packed = {}
+    for limit in ('10', '1', '0'):
+        out = tmp_path / f'{limit}.tar.xz'
+        subprocess.run(['bash', script, str(cache), str(out), limit], check=True, capture_output=True)
+        names = subprocess.run(['tar', 'tJf', str(out)], check=True, capture_output=True, text=True).stdout.split()
+        packed[limit] = sorted(n[2:] for n in names if not n.endswith('/'))
+    assert packed['10'] == sorted(files)
+    assert packed['1'] == ['A/__grp___fwd_h_delta_col.json', 'A/_fwd_h_delta_col.cubin', 'A/_fwd_h_delta_col.json',
+                           'C/_fwd_o_col.autotune.json', 'D/_bwd_dhu_delta_col.json']
+    assert packed['0'] == ['C/_fwd_o_col.autotune.json']

@@ -7,6 +7,7 @@
 #   run: bash scripts/device_lease/step.sh 540            (carry: .whl; settings for chain.sh in lease.env)
 #        bash scripts/device_lease/step.sh 300 final
 S=${1:-540}; FINAL=${2:-}
+HERE=$(cd "$(dirname "$0")" && pwd)
 L=/tmp/L; mkdir -p $L
 if [ ! -f $L/started ]; then
     touch $L/started
@@ -73,10 +74,8 @@ if [ "$FINAL" = final ]; then
     C=$HOME/.triton/cache
     # the libraries' autotune choices alone (kernel names not starting with '_'), to merge into the committed ones
     (cd $C && find . -name '*.autotune.json' ! -name '_*' | tar cf - -T -) | xz -9 > $OUT/fla_autotune.tar.xz
-    tar cf - -C $C . | xz -T0 -1 > /tmp/tc.tar.xz
-    if [ $(stat -c %s /tmp/tc.tar.xz) -gt $((4 * 15 * 1024 * 1024)) ]; then   # only the autotune results
-        (cd $C && find . -name '*.autotune.json' | tar cf - -T -) | xz -T0 -1 > /tmp/tc.tar.xz
-    fi
+    # the whole cache if it fits 60 MB, else the autotune results and falcon2's slow-compiling kernels (TCACHE_KEEP)
+    bash $HERE/pack_cache.sh $C /tmp/tc.tar.xz 60
     split -b 15M -d /tmp/tc.tar.xz $OUT/tc.tar.xz.
     ls -la $OUT
 fi
