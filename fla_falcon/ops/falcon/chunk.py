@@ -2291,9 +2291,8 @@ def _overlap_recompute(device, delta, per_col, K, V, NHV):
         return False
     if delta and per_col:
         from fla_falcon.ops.falcon.chunk_col import _end_in_dhu, _state_pass_programs
-        if _end_in_dhu(_state_pass_programs(1, NHV, V), device):
-            return False
-        return OVERLAP_RECOMPUTE == 'auto' or bool(OVERLAP_RECOMPUTE)
+        # 'auto' forks wherever it may: below the multiprocessor count the pass has few programs anyway
+        return not _end_in_dhu(_state_pass_programs(1, NHV, V), device) and bool(OVERLAP_RECOMPUTE)
     if OVERLAP_RECOMPUTE != 'auto':
         return bool(OVERLAP_RECOMPUTE)
     BK = _key_block(K)
