@@ -1883,7 +1883,7 @@ def _bwd_col_dqk(q, k, val, lam, last_k, count, G, beta, rg, h, dh, do, dval, ro
         b_dlp += b_dden
         if LAM_COUPLED:
             b_dlp = b_dlp * tl.sum(b_xf * b_xf, 1)
-        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp, mask=m_t)
+        tl.store(dlam + (bos + o_t) * HV + i_hv, b_dlp.to(dlam.dtype.element_ty), mask=m_t)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2484,10 +2484,11 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
     dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
-    # the per-column rules' dbeta [B, T, HV, V] in beta's dtype, stored once by _bwd_col_gates from fp32 (the same
-    # rounding as the cast after the backward, whose copy took 47 us at (4, 4096, 16, 128, 128) bf16)
-    dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype if per_col else torch.float32)
-    dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
+    # dbeta and dlam in their inputs' dtypes, stored once by the kernels from fp32: the same rounding as a cast after
+    # the backward, without its copies (the per-column rules' dbeta [B, T, HV, V]: 47 us at (4, 4096, 16, 128, 128)
+    # bf16; the scalar rules' dbeta and dlam: two launches, 3.6 us, fifty-ninth lease)
+    dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
+    dlam = torch.empty(B, T, HV, device=dev, dtype=lam.dtype) if lam is not None else None
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if per_col:
         _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, du, dv, dq, dk,
@@ -2627,8 +2628,8 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
         co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
         **dict(common, BV=BV if BK == 128 else min(BV, 32)))
-    dbeta = torch.empty(beta.shape, **f32)
-    dlam = torch.empty(B, T, HV, **f32) if lam is not None else None
+    dbeta = torch.empty(beta.shape, device=q.device, dtype=beta.dtype)   # in the inputs' dtypes (see _chunk_bwd)
+    dlam = torch.empty(B, T, HV, device=q.device, dtype=lam.dtype) if lam is not None else None
     wE = torch.empty(B, T, HV, **f32)
     _win_bwd_gates[(NT, B * HV)](beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma, cu, ci, co, T, HV=HV,
                                  BT=BT, WIN=win, IS_VARLEN=common['IS_VARLEN'], **gates)
