@@ -2438,6 +2438,14 @@ def _recompute_split(saved, delta, per_col, win):
     return tuple(saved[:3]), ()
 
 
+def _gate_grads(beta, lam):
+    """Empty dbeta and dlam in their inputs' dtypes. The kernels form them in fp32 and round on store: the same bits as
+    fp32 buffers cast after the backward, without the copies (the per-column rules' dbeta [B, T, HV, V]: 47 us at
+    (4, 4096, 16, 128, 128) bf16; the scalar rules' dbeta and dlam: two launches, 4.0-4.4 us, sixtieth lease)."""
+    dbeta = torch.empty(beta.shape, device=beta.device, dtype=beta.dtype)
+    return dbeta, None if lam is None else torch.empty(lam.shape, device=lam.device, dtype=lam.dtype)
+
+
 def _check_dht(dht, ht):
     if dht is not None and ht is None:
         raise ValueError("dht: a final-state gradient needs the forward's final state (output_final_state=True)")
@@ -2484,11 +2492,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
     dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)
     dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
-    # dbeta and dlam in their inputs' dtypes, stored once by the kernels from fp32: the same rounding as a cast after
-    # the backward, without its copies (the per-column rules' dbeta [B, T, HV, V]: 47 us at (4, 4096, 16, 128, 128)
-    # bf16; the scalar rules' dbeta and dlam: two launches, 3.6 us, fifty-ninth lease)
-    dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)
-    dlam = torch.empty(B, T, HV, device=dev, dtype=lam.dtype) if lam is not None else None
+    dbeta, dlam = _gate_grads(beta, lam)
     gates = dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled)
     if per_col:
         _bwd_col_grads(q, k, v, v, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, du, dv, dq, dk,
@@ -2628,8 +2632,7 @@ def _chunk_bwd_win(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved,
         co, T,
         DELTA=False, WIN=win, HAS_FINAL=has_final, BAND=band, **gates,
         **dict(common, BV=BV if BK == 128 else min(BV, 32)))
-    dbeta = torch.empty(beta.shape, device=q.device, dtype=beta.dtype)   # in the inputs' dtypes (see _chunk_bwd)
-    dlam = torch.empty(B, T, HV, device=q.device, dtype=lam.dtype) if lam is not None else None
+    dbeta, dlam = _gate_grads(beta, lam)
     wE = torch.empty(B, T, HV, **f32)
     _win_bwd_gates[(NT, B * HV)](beta, lam, Ew, rBw, dG, yz, dbeta, dlam, wE, eps, eps_gamma, cu, ci, co, T, HV=HV,
                                  BT=BT, WIN=win, IS_VARLEN=common['IS_VARLEN'], **gates)

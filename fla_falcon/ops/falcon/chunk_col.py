@@ -79,6 +79,7 @@ from fla_falcon.ops.falcon.chunk import (
     _col_outputs,
     _col_rg,
     _fwd_o_col,
+    _gate_grads,
     _join,
     _load_x,
     _meta,
@@ -476,8 +477,7 @@ def chunk_bwd_falcon2(q, k, v, beta, lam, S0, last_k, count, saved, do, dht, sca
     dk = torch.empty(B, T, HV, K, device=dev, dtype=kdt)   # every row written (_store_dk)
     dv = torch.empty_like(v)
     dlast_k = torch.zeros(N, HV, K, **f32) if use_init else None
-    dbeta = torch.empty(beta.shape, device=dev, dtype=beta.dtype)   # stored once from fp32 (see chunk.py's _chunk_bwd)
-    dlam = torch.empty(B, T, HV, device=dev, dtype=lam.dtype) if lam is not None else None
+    dbeta, dlam = _gate_grads(beta, lam)
     _bwd_col_grads(q, k, v, r, beta, lam, rg, last_k, count, G, h, ht, dh, dht, o, o_lo, do, dr, dv, dq, dk, dbeta,
                    dlam, dlast_k, scale, eps_gamma, cu_seqlens, ci, co, m, True,
                    dict(HAS_LAM=lam is not None, LAM_COUPLED=lam_coupled), common, end=end)

@@ -39,6 +39,7 @@ from fla_falcon.ops.falcon.chunk import (
     CONFIGS_8W,
     CONFIGS_H,
     CONFIGS_H2,
+    _gate_grads,
     _join,
     _load_win_v,
     _load_win_x,
@@ -738,8 +739,7 @@ def chunk_bwd_falcon3(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, sav
                             cu_seqlens, ci, co, T, BV=bv, BSO=BSO, **row_kw)
     dXr = torch.empty(NV, HV, K, device=dev, dtype=rdt)
     dYr = torch.empty(NV, HV, V, device=dev, dtype=rdt)
-    dbeta = torch.empty(beta.shape, device=q.device, dtype=beta.dtype)   # in the inputs' dtypes (see chunk._chunk_bwd)
-    dlam = torch.empty(B, T, HV, device=q.device, dtype=lam.dtype) if lam is not None else None
+    dbeta, dlam = _gate_grads(beta, lam)
     _bwd_gates3[(NT, B * HV)](
         k, v, beta, lam, last_k, count, tail_x, tail_v, E, Ue, G, c, A, torch.empty_like(A), dx, dG, dw, du, dXr,
         dYr, dbeta, dlam, eps, eps_gamma, cu_seqlens, ci, co, T, BV=bv, HAS_LAM=lam is not None,
