@@ -86,6 +86,21 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # blocks give more programs when there are few sequences. num_stages 3 prefetches the next chunk's tiles while the
 # state is updated: fla's gated-delta chunk_fwd_h went from 0.165 to 0.112 ms with it at (4, 4096, 16, 128, 128)
 # (BV = 64, 4 warps; its autotuning on the H200), where ours ran with 2 stages only
+# _bwd_dqx: falcon1a's split build (SPLIT_1A) also fits 4 warps (255 registers, 16-32 B of stack for a few scalars
+# outside its loops; aot_check, sm_90, K = V = 128 bf16), i.e. two programs per multiprocessor where the 8-warp
+# build runs one; falcon1 and falcon3a keep 8 warps (their 4-warp builds spill). H100, sixty-fifth lease
+# (benchmarks/results/lease65): falcon1a's _bwd_dqx 601 -> 542 us at (4, 4096, 16, 128, 128) and 609 -> 558 at
+# (1, 16384, ...); benchmarks/sweep_configs.py: 4 warps 0.537-0.553 ms, 8 warps 0.644-0.725, unsplit 0.599-0.668
+CONFIGS_DQX = CONFIGS_8W + [triton.Config({}, num_warps=4, num_stages=s) for s in (2, 3)]
+
+
+def _dqx_prune(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    if args.get('DELTA') or args.get('WIN') or not args.get('SPLIT_1A'):
+        return [c for c in configs if c.num_warps == 8]
+    return configs
+
+
 CONFIGS_H = [triton.Config({'BV': bv}, num_warps=w, num_stages=s) for s in (2, 3) for bv in (64, 32) for w in (4, 8)]
 CONFIGS_H2 = [c for c in CONFIGS_H if c.num_stages == 2]   # falcon3's _bwd_dhu3: 3 stages need 234 KB at BV = 64
 # the per-column backward's gates kernel, _bwd_col_gates, holds ~20 [BT, BV] fp32 tiles of one value block; a program
@@ -1026,8 +1041,9 @@ def _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, 
     return b_dxs, b_deta
 
 
-@triton.autotune(configs=CONFIGS_8W, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
-                                          'IS_VARLEN'])
+@triton.autotune(configs=CONFIGS_DQX, key=['H', 'HV', 'K', 'V', 'BT', 'DELTA', 'WIN', 'HAS_FINAL', 'BAND',
+                                              'IS_VARLEN', 'SPLIT_1A'],
+                 prune_configs_by={'early_config_prune': _dqx_prune})
 @triton.jit
 def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, dvb,
              dtail_v, dxt, dk, dlast_k, dbeta, dlam, ds_buf, c, gl, wm, fm, yz, dqb, dxb, dMb, scale, eps, eps_gamma,
@@ -1036,14 +1052,14 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
              SHIFT: tl.constexpr, DELTA: tl.constexpr, WIN: tl.constexpr, HAS_LAM: tl.constexpr,
              LAM_COUPLED: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-             HAS_FINAL: tl.constexpr = False, BAND: tl.constexpr = 0):
+             HAS_FINAL: tl.constexpr = False, BAND: tl.constexpr = 0, SPLIT_1A: tl.constexpr = False):
     """Per chunk: dq, the output/state part of dx and dG of those paths. falcon1 stores them with
     dW = -dU h^T for `_bwd_gates`; falcon1a (dv = eta dU, deta = rowsum(dU * v)) finishes here with
-    the gates' chain rule and writes dk, dbeta, dlam. falcon3a (its delayed GLA rows, eta = mt) also does the band
-    (see _fwd_o) and stores dq, dx' and dv' (summed in fp32; dv' = mt dU' + the band's part that _bwd_dv_local left
-    in dvb), dG of the GLA, and the window weights' gradients as per-row terms yz (see _win_bwd_gates). The band
-    (BAND_FORM): BAND 0 ('fold') on the GLA's score products; 1 ('gather') its dq, dx', dv' and dMb from _win_bwd_band
-    (dqb, dxb, dvb, dMb)."""
+    the gates' chain rule and writes dk, dbeta, dlam (SPLIT_1A: in two value passes, see SPLIT below). falcon3a (its
+    delayed GLA rows, eta = mt) also does the band (see _fwd_o) and stores dq, dx' and dv' (summed in fp32; dv' = mt
+    dU' + the band's part that _bwd_dv_local left in dvb), dG of the GLA, and the window weights' gradients as per-row
+    terms yz (see _win_bwd_gates). The band (BAND_FORM): BAND 0 ('fold') on the GLA's score products; 1 ('gather') its
+    dq, dx', dv' and dMb from _win_bwd_band (dqb, dxb, dvb, dMb)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -1053,9 +1069,18 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     last = min(i_t * BT + BT, T) - 1
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0)
-    b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
-                             USE_INITIAL_STATE)
+    # falcon3a (SPLIT; falcon1a with SPLIT_1A) runs the value blocks twice: the output side (dq and the scores) first,
+    # finished and stored before the state side (du, dv, dx) begins, so that the two [BT, BK] fp32 accumulators are not
+    # live together (one pass held 255 registers per thread and spilled 8-56 B at K = V = 128 bf16; aot_check, sm_90).
+    # falcon1a's split (LATE) also loads q and x after the output side, which reads neither
+    SPLIT: tl.constexpr = WIN > 0 or (not DELTA and SPLIT_1A)
+    LATE: tl.constexpr = SPLIT and WIN == 0
+    dt: tl.constexpr = q.dtype.element_ty
+    p_q = q + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+    if not LATE:
+        b_q = tl.load(p_q, mask=m_tk, other=0)
+        b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                                 USE_INITIAL_STATE)
     b_G = tl.load(G + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
     b_Gl = tl.load(G + (bos + last) * HV + i_hv)
     b_eta = tl.load(eta + (bos + o_t) * HV + i_hv, mask=m_t, other=0)
@@ -1078,10 +1103,6 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         m_r = (o_j >= 16 - (WIN - 1)) & (o_r >= 0)
         b_dse = tl.zeros([BT, 16], dtype=tl.float32)     # do_t.v_e
         b_dsr = tl.zeros([BT, 16], dtype=tl.float32)     # v'_s.do_r
-    # falcon3a (SPLIT) runs the value blocks twice: the output side (dq and the scores) first, finished and stored
-    # before the state side (du, dv, dx) begins, so that the two [BT, BK] fp32 accumulators are not live together
-    # (one pass held 255 registers per thread and spilled 8-56 B at K = V = 128 bf16; aot_check, sm_90)
-    SPLIT: tl.constexpr = WIN > 0
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -1093,29 +1114,34 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         if DELTA:
             b_dh = tl.load(dh + p_kv, mask=m_kv, other=0)
             b_du = tl.load(du + p_tv, mask=m_tv, other=0)
-            b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(b_q.dtype)
-            b_dw += tl.dot(b_du.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
-            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_u))
-            b_dst += tl.dot(b_u, tl.trans(b_do.to(b_q.dtype)))
-            b_dxs += tl.dot(b_u, tl.trans(b_dh.to(b_q.dtype)))
+            b_u = tl.load(vn + p_tv, mask=m_tv, other=0).to(dt)
+            b_dw += tl.dot(b_du.to(dt), tl.trans(b_h.to(dt)))
+            b_ds += tl.dot(b_do.to(dt), tl.trans(b_u))
+            b_dst += tl.dot(b_u, tl.trans(b_do.to(dt)))
+            b_dxs += tl.dot(b_u, tl.trans(b_dh.to(dt)))
         elif WIN > 0:
             # falcon3a: the unweighted scores do_t.v'_s (mt is applied after the loop, the band's weights too)
             b_vd = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans(b_vd.to(b_q.dtype)))
+            b_ds += tl.dot(b_do.to(dt), tl.trans(b_vd.to(dt)))
             if WIN > 1 and BAND == 0:
                 b_ve = _load_win_v(v, tail_v, count, i_n, i_hv, bos, o_e, m_e, o_v, HV, V, WIN, SHIFT,
                                    USE_INITIAL_STATE)
-                b_dse += tl.dot(b_do.to(b_q.dtype), tl.trans(b_ve.to(b_q.dtype)))
+                b_dse += tl.dot(b_do.to(dt), tl.trans(b_ve.to(dt)))
                 b_dor = tl.load(do + ((bos + o_r) * HV + i_hv)[:, None] * V + o_v[None, :],
                                 mask=m_r[:, None] & (o_v < V)[None, :], other=0)
-                b_dsr += tl.dot(b_vd.to(b_q.dtype), tl.trans(b_dor.to(b_q.dtype)))
+                b_dsr += tl.dot(b_vd.to(dt), tl.trans(b_dor.to(dt)))
         else:
             b_v = _load_gla_v(v, tail_v, count, i_n, i_hv, bos, o_t, m_t, o_v, HV, V, WIN, SHIFT, USE_INITIAL_STATE)
-            b_ds += tl.dot(b_do.to(b_q.dtype), tl.trans((b_v * b_eta[:, None]).to(b_q.dtype)))
-            b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, b_eta, b_dxs,
-                                            b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv, HV, V, WIN,
-                                            SHIFT, USE_INITIAL_STATE)
-        b_dq += tl.dot(b_do.to(b_q.dtype), tl.trans(b_h.to(b_q.dtype)))
+            b_ds += tl.dot(b_do.to(dt), tl.trans((b_v * b_eta[:, None]).to(dt)))
+            if not SPLIT:
+                b_dxs, b_deta = _dqx_state_side(v, tail_v, count, dh, du, dv, dvb, dtail_v, b_x, b_G, b_Gl, b_eta,
+                                                b_dxs, b_deta, i_n, i_hv, bos, o_t, m_t, o_v, p_kv, m_kv, p_tv, m_tv,
+                                                HV, V, WIN, SHIFT, USE_INITIAL_STATE)
+        b_dq += tl.dot(b_do.to(dt), tl.trans(b_h.to(dt)))
+    if LATE:
+        b_q = tl.load(p_q, mask=m_tk, other=0)
+        b_x, valid = _load_gla_x(k, last_k, count, tail_x, i_n, i_h, bos, o_t, m_t, o_k, H, K, WIN, SHIFT,
+                                 USE_INITIAL_STATE)
     m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]   # real t only (see _fwd_o)
     b_dsw = b_ds
     b_ds = tl.where(m_s, b_ds * tl.exp(tl.where(m_s, b_G[:, None] - b_G[None, :], 0.)), 0.) * scale
@@ -1151,9 +1177,9 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
         b_qb = tl.sum(b_sd, 1) + tl.sum(b_se * b_be, 1)
         b_xb = tl.sum(b_sd, 0)
     # dq first, stored before dx is formed: fewer [BT, BK] fp32 tiles live at once
-    b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(b_q.dtype), b_x)
+    b_dq = b_dq * (tl.exp(b_G) * scale)[:, None] + tl.dot(b_ds.to(dt), b_x)
     if WIN > 1 and BAND == 0:
-        b_dq += tl.dot((b_dse * b_be * scale).to(b_q.dtype), b_xe)
+        b_dq += tl.dot((b_dse * b_be * scale).to(dt), b_xe)
     # decay gradient of the output and state paths: q.dq - x.dx, plus <dh_next, S_next> at the last row
     b_dG = tl.sum(b_q.to(tl.float32) * b_dq, 1) - b_qb
     if WIN > 1 and BAND == 1:   # the band's dq, after the GLA's decay gradient
@@ -1195,13 +1221,15 @@ def _bwd_dqx(q, k, v, beta, lam, last_k, count, tail_x, tail_v, G, eta, vn, h, d
     b_xf = b_x.to(tl.float32)
     b_dxs = b_dxs * tl.exp(b_Gl - b_G)[:, None]
     b_end = tl.exp(b_Gl) * tl.sum(b_hdh, 0) + tl.sum(tl.sum(b_xf * b_dxs, 1), 0)
-    b_dx = b_dxs + tl.dot(b_dst.to(b_q.dtype), b_q)
+    if LATE:   # again: not held in registers through the state side
+        b_q = tl.load(p_q, mask=m_tk, other=0)
+    b_dx = b_dxs + tl.dot(b_dst.to(dt), b_q)
     if WIN > 1 and BAND == 0:
         # the rows before the chunk: scale Mb[r, d] (q_r.x'_s)(do_r.v'_s) at s = r + W - 1 - d
         b_qr = tl.load(q + ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :],
                        mask=m_r[:, None] & (o_k < K)[None, :], other=0)
         b_dsr = b_dsr * _band_w(wm, bos, i_hv, HV, o_r, m_r, o_t, WIN, True) * scale
-        b_dx += tl.dot(b_dsr.to(b_q.dtype), b_qr)
+        b_dx += tl.dot(b_dsr.to(dt), b_qr)
         b_xb += tl.sum(b_dsr * tl.dot(b_x, tl.trans(b_qr)), 1)
     b_dG -= tl.sum(b_xf * b_dx, 1) - b_xb
     b_dG += tl.where(o_t == last, b_end, 0.)
@@ -2513,7 +2541,7 @@ def _chunk_bwd(q, k, v, beta, lam, S0, last_k, tail_x, tail_v, count, saved, do,
         q, k, v, beta, lam, last_k, count, None, None, G, eta, vn, h, dh, do, du, dq, dx, dG, dw, dv, None, None, None,
         dk, dlast_k, dbeta, dlam, ds_buf, None, None, None, None, None, None, None, None, scale, eps, eps_gamma,
         cu_seqlens, ci, co, T,
-        DELTA=delta, WIN=0, **gates,
+        DELTA=delta, WIN=0, **gates, SPLIT_1A=not delta,
         **dict(common, BV=common['BV'] if delta and common['BK'] <= 128 else min(common['BV'], 32)))
     if delta:
         _bwd_gates[(NT, B * HV)](
