@@ -27,10 +27,10 @@ def timed_runs_first(monkeypatch):
 
     def run_twice(self, *args, **kwargs):
         nargs = dict(zip(self.arg_names, args))
+        self.nargs = nargs   # before pruning, as Autotuner.run sets it: an early_config_prune reads it (_bwd_dqx's)
         config = self.prune_configs(kwargs)[0]
         current = dict(kwargs, **config.all_kwargs())
         full = {**nargs, **current}
-        self.nargs = nargs
         if config.pre_hook:
             config.pre_hook(full)
         self.pre_hook(full)
