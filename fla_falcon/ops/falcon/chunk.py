@@ -90,7 +90,8 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # outside its loops; aot_check, sm_90, K = V = 128 bf16), i.e. two programs per multiprocessor where the 8-warp
 # build runs one; falcon1 and falcon3a keep 8 warps (their 4-warp builds spill). H100, sixty-fifth lease
 # (benchmarks/results/lease65): falcon1a's _bwd_dqx 601 -> 542 us at (4, 4096, 16, 128, 128) and 609 -> 558 at
-# (1, 16384, ...); benchmarks/sweep_configs.py: 4 warps 0.537-0.553 ms, 8 warps 0.644-0.725, unsplit 0.599-0.668
+# (1, 16384, ...); benchmarks/sweep_configs.py, both shapes: 4 warps 0.537-0.577 ms, 8 warps 0.644-0.739, unsplit
+# (8 warps) 0.599-0.668
 CONFIGS_DQX = CONFIGS_8W + [triton.Config({}, num_warps=4, num_stages=s) for s in (2, 3)]
 
 
