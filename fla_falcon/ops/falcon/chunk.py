@@ -88,7 +88,8 @@ CONFIGS_8W = [triton.Config({}, num_warps=8, num_stages=s) for s in (2, 3)]
 # (BV = 64, 4 warps; its autotuning on the H200), where ours ran with 2 stages only
 # _bwd_dqx: falcon1a's split build (SPLIT_1A) also fits 4 warps (255 registers, 16-32 B of stack for a few scalars
 # outside its loops; aot_check, sm_90, K = V = 128 bf16), i.e. two programs per multiprocessor where the 8-warp
-# build runs one; falcon1 and falcon3a keep 8 warps (their 4-warp builds spill). H100, sixty-fifth lease
+# build runs one; falcon1 and falcon3a keep 8 warps (their 4-warp builds spill; falcon3a's with its spills cut to
+# 208-400 B tied main, sixty-sixth lease, benchmarks/results/dead_ends/f3a_4w.patch). H100, sixty-fifth lease
 # (benchmarks/results/lease65): falcon1a's _bwd_dqx 601 -> 542 us at (4, 4096, 16, 128, 128) and 609 -> 558 at
 # (1, 16384, ...); benchmarks/sweep_configs.py, both shapes: 4 warps 0.537-0.577 ms, 8 warps 0.644-0.739, unsplit
 # (8 warps) 0.599-0.668
